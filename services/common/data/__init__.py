@@ -1,0 +1,1 @@
+"""Data kit: task generators (countdown, arithmetic, reverse) and the verl-schema loader."""

@@ -1,0 +1,189 @@
+"""The experiment config: what ``relayrl run EXPERIMENT.yaml`` reads.
+
+One YAML file describes a whole run. Each service gets its own section (``generator``,
+``learner``, ``reward``), which the coordinator hands to that service unchanged, so a deployed
+service and an embedded one read the same schema. The rest (model, data, sampling, algorithm,
+schedule, service addresses) is the coordinator's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from relayrl.common import config as cfg
+from relayrl.common.config import StrictModel
+from relayrl.generator.config import GeneratorConfig
+from relayrl.learner.config import LearnerConfig
+from relayrl.reward.config import RewardConfig
+
+TASKS = ("countdown", "arithmetic", "reverse")
+
+
+class TinyModelSpec(StrictModel):
+    """Build a tiny local model when ``model.path`` does not exist yet (demos, tests, CI)."""
+
+    task: Literal["countdown", "arithmetic", "reverse"] | None = "reverse"
+    """Task of the supervised warm start; None keeps the random init."""
+    sft_steps: int = Field(150, ge=0, le=100_000)
+    """Supervised warm-start steps (an R1-Zero-like starting point: RL then has room to improve)."""
+    seed: int = 0
+    """Seed of the weights, tokenizer corpus and warm-start data."""
+
+
+class ModelSection(StrictModel):
+    """The policy model."""
+
+    path: str
+    """Hugging Face model folder (config.json, safetensors, tokenizer). Relative paths are taken
+    from the experiment file's folder."""
+    tiny: TinyModelSpec | None = None
+    """When set and ``path`` is missing, build a tiny warm-started model there first."""
+
+
+class TaskDataSpec(StrictModel):
+    """Generate the dataset files when they are missing."""
+
+    task: Literal["countdown", "arithmetic", "reverse"]
+    """Which built-in task."""
+    n_train: int = Field(2000, ge=1)
+    """Training prompts."""
+    n_test: int = Field(128, ge=0)
+    """Held-out prompts (disjoint from training)."""
+    seed: int = 0
+    """Seed of the generator."""
+
+
+class DataSection(StrictModel):
+    """Prompts, in verl's schema (parquet or JSONL)."""
+
+    train: str
+    """Training prompts file."""
+    test: str | None = None
+    """Held-out prompts for periodic greedy evaluation; None turns evaluation off."""
+    generate: TaskDataSpec | None = None
+    """When set, write ``train``/``test`` from a built-in task if they do not exist."""
+    shuffle: bool = True
+    """Shuffle the training prompts each epoch (seeded, so a resume sees the same order)."""
+
+
+class SamplingSection(StrictModel):
+    """How completions are sampled for training."""
+
+    n: int = Field(8, ge=1, le=1024)
+    """Completions per prompt (the group size G of GRPO)."""
+    temperature: float = Field(1.0, ge=0, le=10)
+    """Sampling temperature; 0 is greedy (useless for GRPO groups, fine for evaluation)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    top_k: int = Field(-1, ge=-1)
+    """Top-k sampling; -1 turns it off."""
+    max_tokens: int = Field(128, ge=1, le=1_000_000)
+    """Longest completion in tokens."""
+    stop: list[str] = Field(default_factory=list)
+    """Stop strings (the model's end-of-turn token always stops)."""
+
+
+class AlgorithmSection(StrictModel):
+    """How rewards become advantages."""
+
+    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    """grpo: (r - group mean) / group std; drgrpo: r - group mean; rloo: leave-one-out baseline."""
+    scale_std: bool = True
+    """grpo only: divide by the group's reward std (off = Dr.GRPO's unbiased variant)."""
+
+
+class ScheduleSection(StrictModel):
+    """Steps, batch shape, staleness, evaluation and checkpoints."""
+
+    steps: int = Field(100, ge=1)
+    """Learner steps to run."""
+    prompts_per_step: int = Field(8, ge=1)
+    """Prompts per learner step; each gets ``sampling.n`` completions."""
+    max_staleness: int = Field(1, ge=0, le=64)
+    """Policy versions a sample may lag the learner; 0 is synchronous on-policy."""
+    eval_every: int = Field(10, ge=0)
+    """Greedy held-out evaluation every this many steps; 0 turns it off."""
+    checkpoint_every: int = Field(50, ge=0)
+    """Checkpoint every this many steps; 0 only at the end."""
+
+
+class ServicesSection(StrictModel):
+    """Addresses of deployed services. All empty: the embedded default starts them locally."""
+
+    generators: list[str] = Field(default_factory=list)
+    """Generator replicas, ``host:port`` each."""
+    rewards: list[str] = Field(default_factory=list)
+    """Reward replicas, ``host:port`` each."""
+    learner: str | None = None
+    """Learner rank 0, ``host:port``."""
+    generator_replicas: int = Field(1, ge=1, le=64)
+    """Embedded default only: generator processes to start."""
+    reward_replicas: int = Field(1, ge=1, le=64)
+    """Embedded default only: reward processes to start."""
+    deadline_seconds: float = Field(600.0, gt=0)
+    """Default deadline of every call to a service."""
+
+    @property
+    def embedded(self) -> bool:
+        return not (self.generators or self.rewards or self.learner)
+
+    @model_validator(mode="after")
+    def _all_or_nothing(self) -> ServicesSection:
+        given = [bool(self.generators), bool(self.rewards), bool(self.learner)]
+        if any(given) and not all(given):
+            raise ValueError("give addresses for generators, rewards and learner, or none (embedded)")
+        return self
+
+
+class ExperimentConfig(StrictModel):
+    """A whole experiment."""
+
+    name: str = Field("experiment", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    """Run name; run folders are ``<runs_dir>/<name>-<timestamp>``."""
+    seed: int = 0
+    """Seed of data order and sampling."""
+    runs_dir: str = "runs"
+    """Where run folders go."""
+    model: ModelSection
+    """The policy."""
+    data: DataSection
+    """The prompts."""
+    sampling: SamplingSection = Field(default_factory=SamplingSection)
+    """Sampling for training."""
+    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
+    """Advantages."""
+    schedule: ScheduleSection = Field(default_factory=ScheduleSection)
+    """Steps and batches."""
+    services: ServicesSection = Field(default_factory=ServicesSection)
+    """Where the services run."""
+    generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
+    """Generator section (model path filled from ``model.path`` when empty)."""
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    """Learner section (model path filled from ``model.path`` when empty)."""
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """Reward section."""
+
+
+def load_experiment(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
+    """Load an experiment file; relative paths in it resolve against the file's folder."""
+    exp = cfg.load(ExperimentConfig, path, overrides)
+    base = Path(path).resolve().parent
+
+    def rel(p: str) -> str:
+        return str(p if Path(p).is_absolute() else (base / p).resolve())
+
+    updates = {
+        "model": exp.model.model_copy(update={"path": rel(exp.model.path)}),
+        "data": exp.data.model_copy(
+            update={"train": rel(exp.data.train), "test": rel(exp.data.test) if exp.data.test else None}
+        ),
+        "runs_dir": rel(exp.runs_dir),
+    }
+    exp = exp.model_copy(update=updates)
+    if not exp.generator.engine.model:
+        exp.generator.engine.model = exp.model.path
+    if not exp.learner.model:
+        exp.learner.model = exp.model.path
+    return exp

@@ -1,0 +1,170 @@
+from relayrl.common.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "include_stop_str_in_output", "ignore_eos")
+    N_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    seed: int
+    include_stop_str_in_output: bool
+    ignore_eos: bool
+    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompts", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompts: _containers.RepeatedCompositeFieldContainer[_common_pb2.Prompt]
+    sampling: SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[_common_pb2.Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("samples",)
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    samples: _containers.RepeatedCompositeFieldContainer[_common_pb2.Sample]
+    def __init__(self, samples: _Optional[_Iterable[_Union[_common_pb2.Sample, _Mapping]]] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("model", "replica_id", "policy_version", "num_running_requests", "num_waiting_requests", "max_model_len", "ready", "swapping", "weight_sync_open", "weight_sync_ranks")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    SWAPPING_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_SYNC_OPEN_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_SYNC_RANKS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    replica_id: str
+    policy_version: int
+    num_running_requests: int
+    num_waiting_requests: int
+    max_model_len: int
+    ready: bool
+    swapping: bool
+    weight_sync_open: bool
+    weight_sync_ranks: int
+    def __init__(self, model: _Optional[str] = ..., replica_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., max_model_len: _Optional[int] = ..., ready: _Optional[bool] = ..., swapping: _Optional[bool] = ..., weight_sync_open: _Optional[bool] = ..., weight_sync_ranks: _Optional[int] = ...) -> None: ...
+
+class InitWeightSyncRequest(_message.Message):
+    __slots__ = ("master_addr", "master_port", "world_size", "rank", "backend", "group_name", "timeout_seconds")
+    MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    master_addr: str
+    master_port: int
+    world_size: int
+    rank: int
+    backend: str
+    group_name: str
+    timeout_seconds: float
+    def __init__(self, master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., backend: _Optional[str] = ..., group_name: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class InitWeightSyncResponse(_message.Message):
+    __slots__ = ("replica_id", "rank", "num_ranks")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    rank: int
+    num_ranks: int
+    def __init__(self, replica_id: _Optional[str] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ...) -> None: ...
+
+class Bucket(_message.Message):
+    __slots__ = ("tensors", "nbytes", "offsets")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorSpec]
+    nbytes: int
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., nbytes: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BucketPlan(_message.Message):
+    __slots__ = ("buckets",)
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    buckets: _containers.RepeatedCompositeFieldContainer[Bucket]
+    def __init__(self, buckets: _Optional[_Iterable[_Union[Bucket, _Mapping]]] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("version", "plan")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    plan: BucketPlan
+    def __init__(self, version: _Optional[int] = ..., plan: _Optional[_Union[BucketPlan, _Mapping]] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("version", "swap_seconds", "nbytes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SWAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    swap_seconds: float
+    nbytes: int
+    def __init__(self, version: _Optional[int] = ..., swap_seconds: _Optional[float] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class CloseWeightSyncRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CloseWeightSyncResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadWeightsRequest(_message.Message):
+    __slots__ = ("version", "tensor", "offset", "num_tensors")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    tensor: _common_pb2.Tensor
+    offset: int
+    num_tensors: int
+    def __init__(self, version: _Optional[int] = ..., tensor: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., offset: _Optional[int] = ..., num_tensors: _Optional[int] = ...) -> None: ...
+
+class LoadWeightsResponse(_message.Message):
+    __slots__ = ("version", "swap_seconds", "nbytes", "num_tensors")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SWAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    swap_seconds: float
+    nbytes: int
+    num_tensors: int
+    def __init__(self, version: _Optional[int] = ..., swap_seconds: _Optional[float] = ..., nbytes: _Optional[int] = ..., num_tensors: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,82 @@
+"""Configuration of the learner service (DeepSpeed ZeRO-3 ranks; rank 0 serves gRPC)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from relayrl.common.config import StrictModel
+from relayrl.common.serving import ServeConfig
+
+
+class LossConfig(StrictModel):
+    """The policy loss. GRPO, Dr.GRPO and DAPO differ in clipping and in how tokens are averaged."""
+
+    kind: Literal["grpo", "drgrpo", "dapo", "sft"] = "grpo"
+    """grpo: clipped ratio; drgrpo: no length normalisation; dapo: asymmetric clip, token-level; sft."""
+    aggregation: Literal["token", "sequence"] | None = None
+    """Average per token over the batch, or per sequence then over sequences. None: the kind's
+    own (grpo: sequence, dapo: token; drgrpo sums tokens and divides by a constant)."""
+    clip_low: float = Field(0.2, ge=0, le=1)
+    """Lower clip epsilon of the importance ratio."""
+    clip_high: float = Field(0.2, ge=0, le=10)
+    """Upper clip epsilon (DAPO raises it, e.g. 0.28)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL penalty to the frozen reference model; 0 loads no reference model."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """KL estimator: k1 = log ratio, k3 = Schulman's unbiased low-variance estimator."""
+    tis_cap: float | None = Field(None, gt=0)
+    """Truncated importance sampling cap for generator/learner mismatch; None turns TIS off."""
+    max_tokens_normaliser: int | None = Field(None, ge=1)
+    """drgrpo: constant divisor of the summed token losses (default: max completion length)."""
+
+    @model_validator(mode="after")
+    def _aggregation_fits_kind(self) -> LossConfig:
+        # DAPO's token-level average is part of its definition, not an option.
+        if self.kind == "dapo" and self.aggregation == "sequence":
+            raise ValueError("dapo averages per token: aggregation must be 'token' or unset")
+        return self
+
+
+class OptimConfig(StrictModel):
+    """Optimizer and schedule (torch AdamW: DeepSpeed's own Adam compiles for minutes on CPU)."""
+
+    lr: float = Field(1e-5, gt=0, le=1)
+    """Peak learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up steps."""
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Decay after warm-up, over ``total_steps``."""
+    total_steps: int = Field(1000, ge=1)
+    """Steps the schedule spans."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Clip the global gradient norm to this."""
+
+
+class LearnerConfig(StrictModel):
+    """The learner: all ranks read the same config; rank 0 serves it."""
+
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+    """Where rank 0 listens."""
+    model: str = ""
+    """Path of a Hugging Face model folder to train. Required to serve."""
+    world_size: int = Field(1, ge=1, le=4096)
+    """ZeRO-3 ranks (processes), over one or several nodes."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Training dtype; bfloat16 on GPUs, float32 on CPU."""
+    micro_batch_tokens: int = Field(4096, ge=16)
+    """Tokens per micro-batch per rank; samples are balanced across ranks by token count."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    bucket_mb: float = Field(64.0, gt=0, le=4096)
+    """Weight push bucket size in MiB: tensors are packed into buckets this large per broadcast."""
+    loss: LossConfig = Field(default_factory=LossConfig)
+    """The policy loss."""
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    """Optimizer and LR schedule."""
+    checkpoint_dir: str = ""
+    """Where checkpoints go (shared by all ranks); empty: under the run folder."""

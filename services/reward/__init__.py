@@ -1,0 +1,1 @@
+"""relayrl reward service. Light on purpose: heavy engines are imported lazily by the entrypoint."""

@@ -1,0 +1,29 @@
+"""Configuration of the reward service (stateless scoring)."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+from relayrl.common.config import StrictModel
+from relayrl.common.serving import ServeConfig
+
+
+class RewardConfig(StrictModel):
+    """One reward replica."""
+
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+    """Where the replica listens."""
+    workers: int = Field(2, ge=1, le=512)
+    """Scoring processes: CPU-bound verifiers run there, out of the server's event loop."""
+    timeout_seconds: float = Field(5.0, gt=0, le=600)
+    """Per-sample scoring limit; past it the sample gets status TIMEOUT and the worker is replaced."""
+    plugins: list[str] = Field(default_factory=list)
+    """User scorers as ``module:function``; each serves the data sources it declares."""
+
+    @field_validator("plugins")
+    @classmethod
+    def _plugin_refs(cls, v: list[str]) -> list[str]:
+        for ref in v:
+            mod, sep, fn = ref.partition(":")
+            if not sep or not mod or not fn:
+                raise ValueError(f"plugin {ref!r} must look like module:function")
+        return v

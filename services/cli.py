@@ -12,6 +12,7 @@ from relayrl.common.config import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from relayrl.common import serve_cli
     from relayrl.common.data import cli as data_cli
     from relayrl.common.modelkit import cli as model_cli
 
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     model_cli.add_parser(sub)
     data_cli.add_parser(sub)
+    serve_cli.add_parser(sub)
     return parser
 
 

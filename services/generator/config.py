@@ -28,6 +28,9 @@ class EngineConfig(StrictModel):
     """KV cache size in GiB on CPU (vLLM on CPU refuses to start without it)."""
     enforce_eager: bool = True
     """Skip torch.compile and CUDA graphs: starts in seconds; turn off on GPUs for throughput."""
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    """Which logprobs samples carry: after temperature/top-k/top-p (the distribution actually
+    sampled, what importance ratios need) or of the raw logits."""
     seed: int = 0
     """Engine seed (per-request seeds override it)."""
     extra_args: dict[str, Any] = Field(default_factory=dict)

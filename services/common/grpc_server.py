@@ -1,0 +1,120 @@
+"""gRPC server bootstrap shared by every service.
+
+``create_server`` builds a ``grpc.aio`` server with the service's servicer, ``grpc.health.v1``
+and reflection, and binds it (port 0 picks a free port, which tests rely on). ``serve_forever``
+runs it until SIGTERM/SIGINT, then shuts down in the order production needs: health goes
+NOT_SERVING (load balancers stop sending work), in-flight RPCs get ``grace`` seconds, then the
+engine is shut down.
+
+Health semantics: the empty service name means *live* (the process answers); the service's
+full name means *ready* (the engine is loaded and not mid weight swap). Kubernetes liveness
+probes the first, readiness the second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+logger = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass
+class ServerHandle:
+    """A bound, not yet started server and what its shutdown needs."""
+
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    service_name: str
+    on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+    async def set_ready(self, ready: bool) -> None:
+        """Readiness of the named service (liveness stays SERVING until shutdown)."""
+        await self.health.set(self.service_name, SERVING if ready else NOT_SERVING)
+
+    async def stop(self, grace: float) -> None:
+        """NOT_SERVING everywhere, drain for ``grace`` seconds, then run the shutdown hooks."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        for hook in self.on_shutdown:
+            try:
+                await hook()
+            except Exception:
+                logger.exception("shutdown hook failed")
+
+
+def create_server(
+    register: Callable[[grpc.aio.Server], None],
+    service_full_name: str,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_message_mb: int = 256,
+    interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+) -> ServerHandle:
+    """Build and bind a server; ``register`` adds the servicer(s). Returns before starting."""
+    limit = max_message_mb * 1024 * 1024
+    server = grpc.aio.server(
+        interceptors=list(interceptors),
+        options=[
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
+        ],
+    )
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (service_full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC server to {address}")
+    return ServerHandle(server=server, port=bound, health=health_servicer, service_name=service_full_name)
+
+
+async def start(handle: ServerHandle, ready: bool) -> None:
+    """Start serving: live at once, ready as given (a loading engine starts not ready)."""
+    await handle.server.start()
+    await handle.health.set("", SERVING)
+    await handle.set_ready(ready)
+
+
+async def serve_forever(handle: ServerHandle, grace: float) -> None:
+    """Block until SIGTERM/SIGINT or termination, then stop gracefully (see module doc)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+            pass
+    waiter = asyncio.ensure_future(handle.server.wait_for_termination())
+    signalled = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({waiter, signalled}, return_when=asyncio.FIRST_COMPLETED)
+    logger.info("shutting down (grace %.1fs)", grace)
+    await handle.stop(grace)
+    for task in (waiter, signalled):
+        task.cancel()
+
+
+def start_metrics_server(port: int | None, host: str = "127.0.0.1") -> int | None:
+    """Serve Prometheus metrics of this process on ``host:port``; returns the bound port."""
+    if port is None:
+        return None
+    from prometheus_client import start_http_server
+
+    server, _thread = start_http_server(port, addr=host)
+    return server.server_port

@@ -1,0 +1,80 @@
+"""``relayrl serve SERVICE``: build a service's config from a YAML section, flags and ``--set``,
+then hand it to the service's ``server.run``. Heavy imports happen only after parsing."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from relayrl.common import config as cfg
+
+# flag -> (config path, type, help). Flags are shortcuts for --set PATH=VALUE.
+_COMMON = {
+    "--host": ("serve.host", str, "address to bind (default 127.0.0.1)"),
+    "--port": ("serve.port", int, "gRPC port (0: pick a free one)"),
+    "--metrics-port": ("serve.metrics_port", int, "Prometheus metrics port (0: pick a free one)"),
+    "--grace-seconds": ("serve.grace_seconds", float, "drain time on SIGTERM"),
+}
+SERVICES: dict[str, dict[str, tuple[str, type, str]]] = {
+    "generator": {
+        "--model": ("engine.model", str, "Hugging Face model folder"),
+        "--dtype": ("engine.dtype", str, "auto, float32, bfloat16, float16"),
+        "--tensor-parallel-size": ("engine.tensor_parallel_size", int, "GPUs per replica"),
+        "--max-model-len": ("engine.max_model_len", int, "longest prompt + completion"),
+        "--kv-cache-gib": ("engine.kv_cache_gib", float, "KV cache GiB (CPU)"),
+        "--replica-id": ("replica_id", str, "name reported with every sample"),
+    },
+}
+
+
+def _config_class(service: str):
+    if service == "generator":
+        from relayrl.generator.config import GeneratorConfig
+
+        return GeneratorConfig
+    raise SystemExit(f"relayrl serve: unknown service {service!r}")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="run one service (generator, ...) in the foreground")
+    sub = p.add_subparsers(dest="service", required=True, metavar="SERVICE")
+    for name, flags in SERVICES.items():
+        s = sub.add_parser(name, help=f"serve relayrl.{name}.v1")
+        s.add_argument("--config", help="YAML file holding this service's config section")
+        s.add_argument(
+            "--set", action="append", default=[], metavar="PATH=VALUE", help="override a config field"
+        )
+        s.add_argument("--port-file", help="write the bound gRPC port here once serving")
+        for flag, (_path, typ, helptext) in {**_COMMON, **flags}.items():
+            s.add_argument(flag, type=typ, help=helptext)
+        s.set_defaults(func=run, _flags={**_COMMON, **flags})
+
+
+def build_config(args: argparse.Namespace):
+    overrides = [
+        f"{path}={getattr(args, flag[2:].replace('-', '_'))}"
+        for flag, (path, _t, _h) in args._flags.items()
+        if getattr(args, flag[2:].replace("-", "_")) is not None
+    ]
+    return cfg.load(_config_class(args.service), args.config, [*overrides, *args.set])
+
+
+def run(args: argparse.Namespace) -> int:
+    config = build_config(args)
+    logging.getLogger("relayrl").setLevel(min(logging.INFO, logging.getLogger().level))
+    if args.service == "generator":
+        # On CPU, vLLM's in-process engine with one OpenMP thread starts in seconds and runs as
+        # fast; users on GPUs keep vLLM's defaults.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from relayrl.generator.server import run as serve
+
+        asyncio.run(serve(config, args.port_file))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    from relayrl.cli import main as cli_main
+
+    return cli_main(["serve", *argv])

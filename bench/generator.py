@@ -85,7 +85,6 @@ async def run_inprocess(model: str, texts: list[str], n: int, max_tokens: int, r
                 rates.append(tokens / (time.perf_counter() - t0))
     finally:
         llm.shutdown()
-        del llm  # not left to interpreter exit, where vLLM's __del__ finds its modules gone
     return rates
 
 

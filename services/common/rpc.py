@@ -45,6 +45,12 @@ class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class DataLoss(ServiceError):
+    """Data arrived corrupted (e.g. weight bytes whose checksum does not match)."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
 class ResourceExhausted(ServiceError):
     """Too much queued already."""
 

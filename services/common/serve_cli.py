@@ -26,6 +26,20 @@ SERVICES: dict[str, dict[str, tuple[str, type, str]]] = {
         "--kv-cache-gib": ("engine.kv_cache_gib", float, "KV cache GiB (CPU)"),
         "--replica-id": ("replica_id", str, "name reported with every sample"),
     },
+    "learner": {
+        "--model": ("model", str, "Hugging Face model folder to train"),
+        "--world-size": ("world_size", int, "ZeRO-3 ranks in all (nproc per node x nodes)"),
+        "--dtype": ("dtype", str, "float32 or bfloat16"),
+        "--lr": ("optim.lr", float, "peak learning rate"),
+        "--loss": ("loss.kind", str, "grpo, drgrpo, dapo, sft"),
+    },
+}
+# Launcher flags of the learner (torchrun rendezvous), not config fields.
+_LAUNCH = {
+    "--nnodes": (int, "nodes taking part (default 1)"),
+    "--node-rank": (int, "this node's rank (default 0)"),
+    "--master-addr": (str, "rank 0's host for the training rendezvous (default 127.0.0.1)"),
+    "--master-port": (int, "rendezvous port (default: a free one, single node only)"),
 }
 
 
@@ -34,6 +48,10 @@ def _config_class(service: str):
         from relayrl.generator.config import GeneratorConfig
 
         return GeneratorConfig
+    if service == "learner":
+        from relayrl.learner.config import LearnerConfig
+
+        return LearnerConfig
     raise SystemExit(f"relayrl serve: unknown service {service!r}")
 
 
@@ -49,6 +67,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         s.add_argument("--port-file", help="write the bound gRPC port here once serving")
         for flag, (_path, typ, helptext) in {**_COMMON, **flags}.items():
             s.add_argument(flag, type=typ, help=helptext)
+        if name == "learner":
+            for flag, (typ, helptext) in _LAUNCH.items():
+                s.add_argument(flag, type=typ, help=helptext)
         s.set_defaults(func=run, _flags={**_COMMON, **flags})
 
 
@@ -71,7 +92,49 @@ def run(args: argparse.Namespace) -> int:
         from relayrl.generator.server import run as serve
 
         asyncio.run(serve(config, args.port_file))
+    elif args.service == "learner":
+        return launch_learner(config, args)
     return 0
+
+
+def launch_learner(config, args: argparse.Namespace) -> int:
+    """Exec torchrun with one process per local rank (``relayrl.learner.rank``)."""
+    import socket
+    import sys
+    import tempfile
+
+    if not config.model:
+        raise SystemExit("learner: model (--model) is required")
+    nnodes = args.nnodes or 1
+    if config.world_size % nnodes:
+        raise SystemExit(f"learner: world_size {config.world_size} is not a multiple of --nnodes {nnodes}")
+    port = args.master_port
+    if port is None:
+        if nnodes > 1:
+            raise SystemExit("learner: --master-port is required with several nodes")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    fd, path = tempfile.mkstemp(prefix="relayrl-learner-", suffix=".yaml")
+    with os.fdopen(fd, "w") as f:
+        f.write(cfg.dump_yaml(config))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={config.world_size // nnodes}",
+        f"--nnodes={nnodes}",
+        f"--node_rank={args.node_rank or 0}",
+        f"--master_addr={args.master_addr or '127.0.0.1'}",
+        f"--master_port={port}",
+        "-m",
+        "relayrl.learner.rank",
+        "--config",
+        path,
+        *(["--port-file", args.port_file] if args.port_file else []),
+    ]
+    logging.getLogger(__name__).info("launching: %s", " ".join(cmd))
+    os.execv(sys.executable, cmd)
 
 
 def main(argv: list[str]) -> int:

@@ -115,6 +115,20 @@ def unpack(bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def checksum(buf: torch.Tensor) -> int:
+    """Order-independent integrity sum of a uint8 bucket: int32 words (tail as bytes), mod 2^64.
+
+    >>> import torch
+    >>> checksum(torch.tensor([1, 0, 0, 0, 2, 0, 0, 0, 7], dtype=torch.uint8))
+    10
+    """
+    import torch
+
+    n4 = buf.numel() // 4 * 4
+    total = buf[:n4].view(torch.int32).to(torch.int64).sum() + buf[n4:].to(torch.int64).sum()
+    return int(total) % (1 << 64)
+
+
 def default_backend(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 

@@ -116,7 +116,9 @@ class GenerationEngine(Protocol):
         group_name: str,
         timeout_s: float,
     ) -> tuple[int, int]: ...
-    async def update_weights(self, version: int, buckets: list[ws.Bucket]) -> tuple[int, float]: ...
+    async def update_weights(
+        self, version: int, buckets: list[ws.Bucket]
+    ) -> tuple[int, float, list[int]]: ...
     async def close_weight_sync(self) -> None: ...
     async def load_weights(
         self, version: int, items: list[tuple[str, str, list[int], bytes]]
@@ -365,7 +367,7 @@ class VLLMEngine:
         if version <= self.version:
             raise FailedPrecondition(f"version {version} is not newer than the replica's {self.version}")
 
-    async def update_weights(self, version: int, buckets: list[ws.Bucket]) -> tuple[int, float]:
+    async def update_weights(self, version: int, buckets: list[ws.Bucket]) -> tuple[int, float, list[int]]:
         """Receive ``buckets`` over the open group and switch to ``version``."""
         from relayrl.generator.worker_ext import plan_to_wire
 
@@ -395,7 +397,7 @@ class VLLMEngine:
                 )
         return await self._swap_in(version, "relayrl_load_bytes", (items,))
 
-    async def _swap_in(self, version: int, method: str, args: tuple) -> tuple[int, float]:
+    async def _swap_in(self, version: int, method: str, args: tuple) -> tuple[int, float, list[int]]:
         async with self._swap.lock:
             self._check_version(version)
             t0 = time.monotonic()
@@ -420,8 +422,8 @@ class VLLMEngine:
                     await llm.resume_generation()
             finally:
                 self._swap.active = False
-            nbytes = int(results[0])
-            return nbytes, time.monotonic() - t0
+            nbytes, checksums = results[0]  # the first worker speaks for the replica
+            return int(nbytes), time.monotonic() - t0, list(checksums)
 
     async def param_checksum(self) -> float:
         """Fingerprint of the loaded weights (float64 sum), for tests and debugging."""

@@ -198,8 +198,12 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         buckets = [bucket_from_proto(b) for b in request.plan.buckets]
         if not buckets:
             raise InvalidRequest("plan has no buckets")
-        nbytes, secs = await self._swapping(lambda: self.engine.update_weights(request.version, buckets))
-        return generator_pb2.UpdateWeightsResponse(version=request.version, swap_seconds=secs, nbytes=nbytes)
+        nbytes, secs, sums = await self._swapping(
+            lambda: self.engine.update_weights(request.version, buckets)
+        )
+        return generator_pb2.UpdateWeightsResponse(
+            version=request.version, swap_seconds=secs, nbytes=nbytes, bucket_checksums=sums
+        )
 
     @map_errors
     async def CloseWeightSync(self, request, context):
@@ -237,7 +241,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             raise InvalidRequest(f"incomplete tensors: {', '.join(sorted(partial))}")
         if declared and declared != len(items):
             raise InvalidRequest(f"stream announced {declared} tensors, carried {len(items)}")
-        nbytes, _ = await self._swapping(lambda: self.engine.load_weights(version, items))
+        nbytes, _, _ = await self._swapping(lambda: self.engine.load_weights(version, items))
         return generator_pb2.LoadWeightsResponse(
             version=version, swap_seconds=time.monotonic() - t0, nbytes=nbytes, num_tensors=len(items)
         )

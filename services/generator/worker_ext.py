@@ -77,14 +77,15 @@ class WeightSyncExtension:
             except Exception:  # already broken groups cannot always shut down cleanly
                 logger.debug("weight-sync group shutdown failed", exc_info=True)
 
-    def relayrl_receive(self, plan: list[dict], load: bool) -> int:
+    def relayrl_receive(self, plan: list[dict], load: bool) -> tuple[int, list[int]]:
         """Receive every bucket of ``plan`` from rank 0; load them if ``load``, else discard them
         (a rejected plan is still drained so the sender and the group are not left hanging).
-        Returns the bytes received."""
+        Returns the bytes received and each bucket's checksum."""
         pg = getattr(self, "_relayrl_pg", None)
         if pg is None:
             raise RuntimeError("no weight-sync group is open")
         buckets = plan_from_wire(plan)
+        self._relayrl_checksums = []
         if not load:
             for b in buckets:
                 ws.broadcast(pg, torch.empty(b.nbytes, dtype=torch.uint8, device=self._relayrl_device))
@@ -94,7 +95,7 @@ class WeightSyncExtension:
             device = self._relayrl_model_device()
             self.reload_weights(weights_iterator=self._relayrl_stream(pg, buckets, device))
             self._relayrl_refresh_tied()
-        return sum(b.nbytes for b in buckets)
+        return sum(b.nbytes for b in buckets), self._relayrl_checksums
 
     def _relayrl_stream(
         self, pg, buckets: list[ws.Bucket], device: torch.device
@@ -102,6 +103,7 @@ class WeightSyncExtension:
         for b in buckets:
             buf = torch.empty(b.nbytes, dtype=torch.uint8, device=self._relayrl_device)
             ws.broadcast(pg, buf)
+            self._relayrl_checksums.append(ws.checksum(buf))
             yield from ws.unpack(b, buf.to(device))
 
     def relayrl_load_bytes(self, items: list[tuple[str, str, list[int], bytes]]) -> int:
@@ -115,7 +117,7 @@ class WeightSyncExtension:
 
         self.reload_weights(weights_iterator=weights())
         self._relayrl_refresh_tied()
-        return sum(len(d) for *_, d in items)
+        return sum(len(d) for *_, d in items), []
 
     def _relayrl_refresh_tied(self) -> None:
         """Re-run post-load processing of a tied ``lm_head``.

@@ -27,6 +27,9 @@ class LossConfig(StrictModel):
     """KL estimator: k1 = log ratio, k3 = Schulman's unbiased low-variance estimator."""
     tis_cap: float | None = Field(None, gt=0)
     """Truncated importance sampling cap for generator/learner mismatch; None turns TIS off."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of the generators: logprobs are computed from logits / temperature
+    so they compare with the generator's. The coordinator sets it from ``sampling.temperature``."""
     max_tokens_normaliser: int | None = Field(None, ge=1)
     """drgrpo: constant divisor of the summed token losses (default: max completion length)."""
 
@@ -78,5 +81,12 @@ class LearnerConfig(StrictModel):
     """The policy loss."""
     optim: OptimConfig = Field(default_factory=OptimConfig)
     """Optimizer and LR schedule."""
+    weight_sync_host: str = ""
+    """Address generators use to reach rank 0's weight-sync rendezvous; empty: ``serve.host``,
+    or this host's name when serving on all interfaces."""
+    weight_sync_timeout_seconds: float = Field(300.0, gt=0)
+    """Limit for generators to join the weight-sync group and for each broadcast."""
+    rpc_deadline_seconds: float = Field(600.0, gt=0)
+    """Deadline of the learner's own calls to generators (InitWeightSync, UpdateWeights)."""
     checkpoint_dir: str = ""
     """Where checkpoints go (shared by all ranks); empty: under the run folder."""

@@ -99,11 +99,16 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, totals: Totals) -> tuple[torch
         return loss, {"clipped": 0.0, "kl": 0.0, "tis_weight": float(mask.sum())}
 
     adv = inp.advantages.to(inp.logprobs.dtype)[:, None]
+    live = mask > 0
+    # Log-ratios are zeroed where the mask is 0 *before* exp: a masked token with a huge ratio
+    # would give inf * 0 = NaN in the loss and its gradient. The clamp guards counted tokens
+    # against overflow (e^20 is already far beyond any clip range).
+    behavior_log_ratio = torch.where(live, inp.logprobs - inp.behavior_logprobs, 0.0).clamp(-20.0, 20.0)
     if cfg.tis_cap is not None:
         ratio = torch.exp(inp.logprobs - inp.logprobs.detach())
-        weight = torch.exp(inp.logprobs.detach() - inp.behavior_logprobs).clamp(max=cfg.tis_cap)
+        weight = torch.exp(behavior_log_ratio.detach()).clamp(max=cfg.tis_cap)
     else:
-        ratio = torch.exp(inp.logprobs - inp.behavior_logprobs)
+        ratio = torch.exp(behavior_log_ratio)
         weight = torch.ones_like(ratio)
     clipped_ratio = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     surrogate = torch.minimum(ratio * adv, clipped_ratio * adv)
@@ -112,7 +117,8 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, totals: Totals) -> tuple[torch
     if cfg.kl_coef > 0:
         if inp.ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs")
-        kl = kl_estimate(inp.logprobs, inp.ref_logprobs, cfg.kl_estimator)
+        ref = torch.where(live, inp.ref_logprobs, inp.logprobs.detach())  # masked: log ratio 0
+        kl = kl_estimate(inp.logprobs, ref, cfg.kl_estimator)
         per_token = per_token + cfg.kl_coef * kl
         kl_sum = float((kl.detach() * mask).sum())
     loss = _aggregate(per_token, mask, how, totals)
@@ -131,7 +137,7 @@ def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temp
     """Log-probability of ``targets`` [B, T] under ``logits`` [B, T, V] / temperature, and the
     per-token entropy (no gradient; a metric). Logits are scaled like the generator's sampler,
     so the ratio to the generator's logprobs compares the same distribution."""
-    logits = logits.float() / temperature
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     logp = torch.log_softmax(logits, dim=-1)
     picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():

@@ -128,14 +128,16 @@ class UpdateWeightsRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., plan: _Optional[_Union[BucketPlan, _Mapping]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
-    __slots__ = ("version", "swap_seconds", "nbytes")
+    __slots__ = ("version", "swap_seconds", "nbytes", "bucket_checksums")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SWAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     version: int
     swap_seconds: float
     nbytes: int
-    def __init__(self, version: _Optional[int] = ..., swap_seconds: _Optional[float] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    bucket_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., swap_seconds: _Optional[float] = ..., nbytes: _Optional[int] = ..., bucket_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CloseWeightSyncRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,156 @@
+"""The learner's collective operations, driven by rank 0 and mirrored by every other rank.
+
+Rank 0 calls ``LearnerCore.<op>`` (from the servicer, in a worker thread); each op first sends
+a command on the control channel, then runs the collective part itself. Other ranks sit in
+``follow()``, receive the command and run the same collective part. Validation happens on rank 0
+*before* a command is sent, so a bad request never leaves the ranks out of step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+from relayrl.common import weightsync as ws
+from relayrl.common.rpc import InvalidRequest, Unavailable
+from relayrl.learner.control import Control
+from relayrl.learner.trainer import Sample, Trainer
+from relayrl.learner.v1 import learner_pb2
+
+logger = logging.getLogger(__name__)
+
+
+def decode_samples(
+    req: learner_pb2.TrainStepRequest, vocab_size: int, max_len: int, sft: bool
+) -> list[Sample]:
+    """Wire samples -> ``Sample``; every problem raises InvalidRequest naming the sample."""
+    if not req.samples:
+        raise InvalidRequest("samples is empty: nothing to train on")
+    out = []
+    for i, s in enumerate(req.samples):
+        n = len(s.completion_token_ids)
+        where = f"samples[{i}]"
+        if not s.prompt_token_ids or not n:
+            raise InvalidRequest(f"{where}: prompt_token_ids and completion_token_ids must be non-empty")
+        if len(s.prompt_token_ids) + n > max_len:
+            raise InvalidRequest(
+                f"{where}: {len(s.prompt_token_ids) + n} tokens exceed the model's {max_len}"
+            )
+        if not (len(s.generator_logprobs) == n or (sft and not s.generator_logprobs)):
+            raise InvalidRequest(
+                f"{where}: {len(s.generator_logprobs)} generator_logprobs for {n} completion tokens"
+            )
+        if s.loss_mask and len(s.loss_mask) != n:
+            raise InvalidRequest(f"{where}: {len(s.loss_mask)} loss_mask values for {n} completion tokens")
+        if not math.isfinite(s.advantage):
+            raise InvalidRequest(f"{where}: advantage is {s.advantage}")
+        if not all(math.isfinite(x) for x in s.generator_logprobs):
+            raise InvalidRequest(f"{where}: generator_logprobs contain NaN or inf")
+        ids = list(s.prompt_token_ids) + list(s.completion_token_ids)
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            raise InvalidRequest(f"{where}: token ids must be in [0, {vocab_size})")
+        out.append(
+            Sample(
+                list(s.prompt_token_ids),
+                list(s.completion_token_ids),
+                list(s.generator_logprobs),
+                float(s.advantage),
+                list(s.loss_mask),
+            )
+        )
+    return out
+
+
+@dataclass
+class WeightGroup:
+    """The open weight-sync group: rank 0 of it is this learner's rank 0."""
+
+    pg: object
+    members: dict[str, int]  # replica_id -> first rank
+    world_size: int
+
+
+class LearnerCore:
+    def __init__(self, trainer: Trainer, control: Control):
+        self.trainer = trainer
+        self.control = control
+        self.sft = trainer.cfg.loss.kind == "sft"
+
+    # -- rank 0 -------------------------------------------------------------------------
+    def train(self, req: learner_pb2.TrainStepRequest, max_completion_tokens: int) -> dict:
+        samples = decode_samples(req, self.trainer.vocab_size, self.trainer.max_len, self.sft)
+        max_tokens = max_completion_tokens or max(len(s.completion) for s in samples)
+        self.control.send({"op": "train", "max_tokens": max_tokens}, req.SerializeToString())
+        return self.trainer.train_step(samples, max_tokens)
+
+    def push(self, buckets_bytes: int, dtype: str, group: WeightGroup | None) -> tuple[int, list[int]]:
+        """Gather (all ranks) and broadcast (rank 0 -> generators) every bucket; returns the
+        bytes sent and each bucket's checksum."""
+        self.control.send({"op": "push", "bucket_bytes": buckets_bytes, "dtype": dtype})
+        return self._push(buckets_bytes, dtype, group)
+
+    def save(self, path: str, tag: str, client_state_json: str) -> None:
+        self.control.send({"op": "save", "path": path, "tag": tag, "state": client_state_json})
+        self.trainer.save(path, tag, client_state_json)
+
+    def load(self, path: str, tag: str) -> dict:
+        latest = os.path.join(path, "latest")
+        if not os.path.isdir(os.path.join(path, tag)) if tag else not os.path.exists(latest):
+            raise FileNotFoundError(f"no checkpoint at {path} (tag {tag or 'latest'})")
+        self.control.send({"op": "load", "path": path, "tag": tag})
+        return self.trainer.load(path, tag or None)
+
+    def export(self, path: str, bucket_bytes: int) -> None:
+        self.control.send({"op": "export", "path": path, "bucket_bytes": bucket_bytes})
+        self.trainer.export(path, bucket_bytes)
+
+    def stop(self) -> None:
+        self.control.send({"op": "stop"})
+
+    # -- shared ---------------------------------------------------------------------------
+    def _push(self, bucket_bytes: int, dtype: str, group: WeightGroup | None) -> tuple[int, list[int]]:
+        buckets = ws.plan_buckets(self.trainer.param_metas(dtype), bucket_bytes)
+        device = self.trainer.device if group is not None and torch_backend_is_nccl(group) else "cpu"
+        sent, sums, error = 0, [], None
+        for b, tensors in zip(buckets, self.trainer.gathered_buckets(buckets), strict=True):
+            if tensors is not None and group is not None and error is None:
+                try:
+                    buf = ws.pack(b, tensors, device=device)
+                    ws.broadcast(group.pg, buf)
+                    sums.append(ws.checksum(buf))
+                    sent += b.nbytes
+                except RuntimeError as e:
+                    # A generator died mid-broadcast. Keep gathering (the other ranks are in
+                    # the same loop, a collective each), then report; training is unharmed.
+                    error = e
+        if error is not None:
+            raise Unavailable(f"weight broadcast failed after {sent} bytes: {error}")
+        return sent, sums
+
+    def follow(self) -> None:
+        """Other ranks: run commands from rank 0 until ``stop``."""
+        while True:
+            cmd, payload = self.control.recv()
+            op = cmd["op"]
+            if op == "stop":
+                return
+            if op == "train":
+                req = learner_pb2.TrainStepRequest.FromString(payload)
+                samples = decode_samples(req, self.trainer.vocab_size, self.trainer.max_len, self.sft)
+                self.trainer.train_step(samples, cmd["max_tokens"])
+            elif op == "push":
+                self._push(cmd["bucket_bytes"], cmd["dtype"], None)
+            elif op == "save":
+                self.trainer.save(cmd["path"], cmd["tag"], cmd["state"])
+            elif op == "load":
+                self.trainer.load(cmd["path"], cmd["tag"] or None)
+            elif op == "export":
+                self.trainer.export(cmd["path"], cmd["bucket_bytes"])
+            else:
+                raise RuntimeError(f"unknown learner command {op!r}")
+
+
+def torch_backend_is_nccl(group: WeightGroup) -> bool:
+    return type(group.pg).__name__ == "ProcessGroupNCCL"

@@ -1,0 +1,113 @@
+"""One learner rank (started by torchrun): build the ZeRO-3 engine; rank 0 serves gRPC, the
+others follow rank 0's commands. ``relayrl serve learner`` launches these."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+
+from relayrl.common import config as cfg_mod
+from relayrl.learner.config import LearnerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def init_distributed() -> str:
+    import deepspeed
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    else:
+        # DeepSpeed builds a shared-memory all-reduce op for CPU inference on first init
+        # (~80 s of C++ compile); training never uses it.
+        import importlib
+
+        # By sys.modules, not attribute access: deepspeed.comm's `torch` attribute is torch itself.
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        backend = "gloo"
+    deepspeed.init_distributed(dist_backend=backend)
+    return backend
+
+
+async def serve(core, cfg: LearnerConfig, backend: str, port_file: str | None) -> None:
+    from relayrl.common.grpc_server import create_server, serve_forever, start, start_metrics_server
+    from relayrl.learner.servicer import LearnerServicer
+    from relayrl.learner.sync import WeightSync
+    from relayrl.learner.v1 import learner_pb2, learner_pb2_grpc
+
+    host = cfg.weight_sync_host or (
+        cfg.serve.host if cfg.serve.host not in ("0.0.0.0", "::") else socket.gethostname()
+    )
+    sync_backend = "nccl" if backend == "nccl" else "gloo"
+    sync = WeightSync(
+        host,
+        sync_backend,
+        cfg.dtype,
+        cfg.weight_sync_timeout_seconds,
+        cfg.rpc_deadline_seconds,
+        core.trainer.param_metas,
+    )
+    servicer = LearnerServicer(
+        core, sync, int(cfg.bucket_mb * (1 << 20)), cfg.loss.max_tokens_normaliser or 0
+    )
+    name = learner_pb2.DESCRIPTOR.services_by_name["LearnerService"].full_name
+    handle = create_server(
+        lambda s: learner_pb2_grpc.add_LearnerServiceServicer_to_server(servicer, s),
+        name,
+        host=cfg.serve.host,
+        port=cfg.serve.port,
+        max_message_mb=cfg.serve.max_message_mb,
+    )
+    servicer._on_broken = lambda: asyncio.ensure_future(handle.set_ready(False))
+
+    async def release_followers() -> None:
+        if servicer.broken is None:
+            await asyncio.to_thread(core.stop)
+
+    handle.on_shutdown.append(release_followers)
+    await start(handle, ready=True)
+    metrics_port = start_metrics_server(cfg.serve.metrics_port, cfg.serve.host)
+    if port_file:
+        with open(port_file, "w") as f:
+            f.write(f"{handle.port}\n")
+    logger.info(
+        "learner rank 0 serving on %s:%d (world %d, metrics port %s)",
+        cfg.serve.host,
+        handle.port,
+        core.trainer.world_size,
+        metrics_port,
+    )
+    print(f"relayrl learner ready on {cfg.serve.host}:{handle.port}", flush=True)
+    await serve_forever(handle, cfg.serve.grace_seconds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="relayrl.learner.rank")
+    ap.add_argument("--config", required=True, help="resolved learner config (YAML)")
+    ap.add_argument("--port-file")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = cfg_mod.load(LearnerConfig, args.config)
+    backend = init_distributed()
+    import torch.distributed as dist
+    from relayrl.learner.control import Control
+    from relayrl.learner.core import LearnerCore
+    from relayrl.learner.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    core = LearnerCore(trainer, Control())
+    if dist.get_rank() == 0:
+        asyncio.run(serve(core, cfg, backend, args.port_file))
+    else:
+        core.follow()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,295 @@
+"""One learner rank: the DeepSpeed ZeRO-3 engine and the collective operations on it.
+
+Every method here is collective: all ranks call it with the same arguments in the same order
+(rank 0 decides, ``control.py`` relays). Rank 0 additionally gets the results (metrics, the
+gathered weights). Nothing here knows about gRPC.
+
+* ``train_step``: samples -> balanced micro-batches -> loss -> one optimizer step.
+* ``gathered_buckets``: ZeRO-3 shards gathered bucket by bucket (for PushWeights and export).
+* ``save`` / ``load``: DeepSpeed checkpoints with step, version, RNG and the caller's state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from relayrl.common import weightsync as ws
+from relayrl.learner.batching import plan_step
+from relayrl.learner.config import LearnerConfig
+from relayrl.learner.losses import LossInputs, Totals, policy_loss, token_logprobs_and_entropy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Sample:
+    """One training sample, decoded from the wire."""
+
+    prompt: list[int]
+    completion: list[int]
+    behavior_logprobs: list[float]
+    advantage: float
+    loss_mask: list[float]
+
+
+def ds_config(cfg: LearnerConfig) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,  # accumulation is driven by hand (see train_step)
+        "gradient_clipping": cfg.optim.grad_clip,
+        "zero_optimization": {
+            "stage": 3,
+            # Partition every parameter, however small: the default keeps tiny ones whole.
+            "stage3_param_persistence_threshold": 0,
+            "stage3_gather_16bit_weights_on_model_save": True,
+            "overlap_comm": False,
+        },
+        "bf16": {"enabled": cfg.dtype == "bfloat16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 62,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _lr_lambda(cfg: LearnerConfig):
+    o = cfg.optim
+
+    def f(step: int) -> float:
+        if o.warmup_steps and step < o.warmup_steps:
+            return (step + 1) / o.warmup_steps
+        if o.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - o.warmup_steps) / max(1, o.total_steps - o.warmup_steps))
+        if o.schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+class Trainer:
+    """A ZeRO-3 engine over a Hugging Face causal LM (one per rank)."""
+
+    def __init__(self, cfg: LearnerConfig):
+        import deepspeed
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.integrations import HfDeepSpeedConfig
+
+        self.cfg = cfg
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+        self.dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+        conf = ds_config(cfg)
+        self._hf_ds = HfDeepSpeedConfig(conf)  # must stay alive: makes from_pretrained partition (zero.Init)
+        self.model_config = AutoConfig.from_pretrained(cfg.model)
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=self.dtype)
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=opt, lr_scheduler=sched, config=conf
+        )
+        self.ref = None
+        if cfg.loss.kl_coef > 0:
+            ref_model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=self.dtype)
+            self.ref, *_ = deepspeed.initialize(model=ref_model, config=conf)
+            self.ref.eval()
+        self.step = 0
+        self.version = 0
+        self.vocab_size = self.model_config.vocab_size
+        self.max_len = getattr(self.model_config, "max_position_embeddings", 1 << 30)
+
+    # -- training ------------------------------------------------------------------------
+    def _forward_logprobs(self, engine, ids, attn, targets, starts, width):
+        logits = engine(input_ids=ids, attention_mask=attn).logits
+        # Position p predicts token p+1: completion token j of row i sits at starts[i] + j.
+        idx = (
+            torch.as_tensor(starts, device=ids.device)[:, None]
+            + torch.arange(width, device=ids.device)[None, :]
+            - 1
+        )
+        idx = idx.clamp(min=0, max=logits.shape[1] - 1)
+        sel = logits.gather(1, idx[:, :, None].expand(-1, -1, logits.shape[-1]))
+        return token_logprobs_and_entropy(sel, targets, self.cfg.loss.temperature)
+
+    def _tensors(self, batch: list[Sample]):
+        width = max(len(s.completion) for s in batch)
+        total = max(len(s.prompt) + len(s.completion) for s in batch)
+        ids = torch.zeros(len(batch), total, dtype=torch.long)
+        attn = torch.zeros(len(batch), total, dtype=torch.long)
+        targets = torch.zeros(len(batch), width, dtype=torch.long)
+        behavior = torch.zeros(len(batch), width, dtype=torch.float32)
+        mask = torch.zeros(len(batch), width, dtype=torch.float32)
+        for i, s in enumerate(batch):
+            seq = s.prompt + s.completion
+            ids[i, : len(seq)] = torch.tensor(seq)
+            attn[i, : len(seq)] = 1
+            n = len(s.completion)
+            targets[i, :n] = torch.tensor(s.completion)
+            if s.behavior_logprobs:
+                behavior[i, :n] = torch.tensor(s.behavior_logprobs)
+            mask[i, :n] = torch.tensor(s.loss_mask) if s.loss_mask else 1.0
+        adv = torch.tensor([s.advantage for s in batch], dtype=torch.float32)
+        starts = [len(s.prompt) for s in batch]
+        dev = self.device
+        return (
+            ids.to(dev),
+            attn.to(dev),
+            targets.to(dev),
+            behavior.to(dev),
+            mask.to(dev),
+            adv.to(dev),
+            starts,
+            width,
+        )
+
+    def train_step(self, samples: list[Sample], max_completion_tokens: int) -> dict[str, float]:
+        """One optimizer step on ``samples`` (the whole step's batch; every rank gets all of it)."""
+        t0 = time.monotonic()
+        lengths = [len(s.prompt) + len(s.completion) for s in samples]
+        plan = plan_step(lengths, self.world_size, self.cfg.micro_batch_tokens)[self.rank]
+        total_tokens = sum(sum(s.loss_mask) if s.loss_mask else len(s.completion) for s in samples)
+        totals = Totals(
+            tokens=max(1, int(total_tokens)), sequences=len(samples), max_tokens=max_completion_tokens
+        )
+        sums = torch.zeros(5, dtype=torch.float64)  # loss, entropy, clipped, kl, tis weight
+        self.engine.train()
+        for k, mb in enumerate(plan):
+            self.engine.set_gradient_accumulation_boundary(k == len(plan) - 1)
+            # An empty micro-batch still runs forward/backward (weight 0): ZeRO-3 reduces
+            # gradients inside backward, so every rank must run as many as the others.
+            batch = [samples[i] for i in mb] or [samples[0]]
+            scale = 1.0 if mb else 0.0
+            ids, attn, targets, behavior, mask, adv, starts, width = self._tensors(batch)
+            mask = mask * scale
+            logp, entropy = self._forward_logprobs(self.engine, ids, attn, targets, starts, width)
+            ref_logp = None
+            if self.ref is not None:
+                with torch.no_grad():
+                    ref_logp, _ = self._forward_logprobs(self.ref, ids, attn, targets, starts, width)
+            loss, stats = policy_loss(LossInputs(logp, behavior, adv, mask, ref_logp), self.cfg.loss, totals)
+            # ZeRO averages gradients over ranks; our loss is already a share of the global
+            # mean, so undo the average.
+            self.engine.backward(loss * self.world_size)
+            sums += torch.tensor(
+                [
+                    float(loss),
+                    float((entropy * mask).sum()),
+                    stats["clipped"],
+                    stats["kl"],
+                    stats["tis_weight"],
+                ],
+                dtype=torch.float64,
+            )
+        lr = self.scheduler.get_last_lr()[0]
+        self.engine.step()
+        dist.all_reduce(sums)
+        self.step += 1
+        self.version += 1
+        grad_norm = self.engine.get_global_grad_norm()
+        t = float(totals.tokens)
+        return {
+            "loss": float(sums[0]),
+            "entropy": float(sums[1]) / t,
+            "clip_fraction": float(sums[2]) / t,
+            "kl": float(sums[3]) / t,
+            "tis_weight_mean": float(sums[4]) / t,
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "lr": float(lr),
+            "tokens": int(total_tokens),
+            "samples": len(samples),
+            "step_seconds": time.monotonic() - t0,
+            "micro_batches": len(plan),
+        }
+
+    # -- weights -------------------------------------------------------------------------
+    def param_metas(self, dtype: str) -> list[ws.TensorMeta]:
+        """Checkpoint names and full shapes of every parameter, without gathering anything."""
+        return [
+            ws.TensorMeta(n, dtype, tuple(getattr(p, "ds_shape", p.shape)))
+            for n, p in self.engine.module.named_parameters()
+        ]
+
+    def gathered_buckets(self, buckets: list[ws.Bucket]) -> Iterator[list[torch.Tensor] | None]:
+        """Per bucket, all ranks gather its parameters; rank 0 gets the full tensors (in the
+        bucket's order, cast to the plan's dtype), other ranks get None."""
+        import deepspeed
+
+        params = dict(self.engine.module.named_parameters())
+        for b in buckets:
+            group = [params[m.name] for m in b.tensors]
+            with deepspeed.zero.GatheredParameters(group, modifier_rank=None):
+                if self.rank == 0:
+                    yield [
+                        p.detach().to(ws.torch_dtype(m.dtype)) for p, m in zip(group, b.tensors, strict=True)
+                    ]
+                else:
+                    yield None
+
+    def export(self, out: str | Path, bucket_bytes: int) -> None:
+        """Write the current policy as a Hugging Face folder (rank 0 writes; all ranks gather)."""
+        from safetensors.torch import save_file
+
+        buckets = ws.plan_buckets(self.param_metas(ws.dtype_name(self.dtype)), bucket_bytes)
+        state: dict[str, torch.Tensor] = {}
+        for b, tensors in zip(buckets, self.gathered_buckets(buckets), strict=True):
+            if tensors is not None:
+                state.update({m.name: t.cpu().clone() for m, t in zip(b.tensors, tensors, strict=True)})
+        if self.rank != 0:
+            return
+        out = Path(out)
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        src = Path(self.cfg.model)
+        for f in src.iterdir():  # tokenizer, generation config, model card: everything but weights
+            if f.is_file() and not f.name.endswith(
+                (".safetensors", ".bin", ".safetensors.index.json", ".pt")
+            ):
+                shutil.copy2(f, tmp / f.name)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "relayrl_export.json").write_text(
+            json.dumps({"step": self.step, "policy_version": self.version}) + "\n"
+        )
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def save(self, path: str, tag: str, client_state_json: str) -> None:
+        state = {
+            "relayrl": {
+                "step": self.step,
+                "policy_version": self.version,
+                "client_state_json": client_state_json,
+            },
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+        self.engine.save_checkpoint(path, tag=tag, client_state=state)
+
+    def load(self, path: str, tag: str | None) -> dict:
+        load_path, client = self.engine.load_checkpoint(path, tag=tag)
+        if load_path is None:
+            raise FileNotFoundError(f"no checkpoint at {path} (tag {tag or 'latest'})")
+        meta = client["relayrl"]
+        self.step, self.version = meta["step"], meta["policy_version"]
+        torch.set_rng_state(client["rng"]["torch"])
+        random.setstate(client["rng"]["python"])
+        return meta

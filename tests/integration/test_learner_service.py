@@ -1,0 +1,240 @@
+"""The learner service on real DeepSpeed ZeRO-3 (CPU, gloo, 2 ranks) with a real generator."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from relayrl.common.v1 import common_pb2
+from relayrl.generator.v1 import generator_pb2 as g
+from relayrl.generator.v1 import generator_pb2_grpc as gg
+from relayrl.learner.v1 import learner_pb2 as lp
+from relayrl.learner.v1 import learner_pb2_grpc as lg
+
+from tests.procs import service
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def batch(seed: int, n: int = 6) -> list[lp.TrainSample]:
+    """A deterministic batch: varied lengths, mixed-sign advantages, plausible logprobs."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        k = rng.randint(2, 12)
+        out.append(
+            lp.TrainSample(
+                prompt_token_ids=[rng.randrange(3, 300) for _ in range(rng.randint(3, 9))],
+                completion_token_ids=[rng.randrange(3, 300) for _ in range(k)],
+                generator_logprobs=[-rng.uniform(4.5, 7.0) for _ in range(k)],
+                advantage=(1.0 if i % 2 else -1.0) * rng.uniform(0.5, 1.5),
+                policy_version=0,
+            )
+        )
+    return out
+
+
+def learner(model: Path, tmp: Path, *extra: str):
+    return service(["learner", "--model", str(model), "--world-size", "2", "--lr", "1e-3", *extra], tmp)
+
+
+def train(stub, step: int, seed: int) -> lp.TrainStepResponse:
+    return stub.TrainStep(lp.TrainStepRequest(run_id="t", step=step, samples=batch(seed)), timeout=300)
+
+
+def test_parameters_are_partitioned_over_two_ranks(tiny_model_dir):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={port}",
+            str(ROOT / "tests/integration/partition_check.py"),
+            str(tiny_model_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        start_new_session=True,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.stdout.count("params partitioned") == 2
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("vllm")
+    tmp = tmp_path_factory.mktemp("learner")
+    gen_args = [
+        "generator",
+        "--model",
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--replica-id",
+        "gen-0",
+    ]
+    with service(gen_args, tmp) as (gen_addr, _), learner(tiny_model_dir, tmp) as (addr, proc):
+        yield (
+            lg.LearnerServiceStub(grpc.insecure_channel(addr)),
+            gg.GeneratorServiceStub(grpc.insecure_channel(gen_addr)),
+            gen_addr,
+            tmp,
+            proc,
+            tiny_model_dir,
+        )
+
+
+def test_bad_batches_are_refused_and_take_no_step(stack):
+    stub, *_ = stack
+    before = stub.GetStatus(lp.GetStatusRequest(), timeout=10)
+    nan = lp.TrainSample(
+        prompt_token_ids=[5], completion_token_ids=[6], generator_logprobs=[-1.0], advantage=float("nan")
+    )
+    short = lp.TrainSample(prompt_token_ids=[5], completion_token_ids=[6, 7], generator_logprobs=[-1.0])
+    cases = {
+        "samples is empty": [],
+        "samples[0]: advantage is nan": [nan],
+        "samples[0]: 1 generator_logprobs for 2 completion tokens": [short],
+        "samples[1]: token ids must be in": [
+            batch(1)[0],
+            lp.TrainSample(prompt_token_ids=[10**6], completion_token_ids=[6], generator_logprobs=[-1.0]),
+        ],
+    }
+    for needle, samples in cases.items():
+        with pytest.raises(grpc.RpcError) as e:
+            stub.TrainStep(lp.TrainStepRequest(step=before.step + 1, samples=samples), timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        stub.TrainStep(lp.TrainStepRequest(step=before.step + 5, samples=batch(0)), timeout=60)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    after = stub.GetStatus(lp.GetStatusRequest(), timeout=10)
+    assert (after.step, after.policy_version, after.ready) == (before.step, before.policy_version, True)
+
+
+def test_train_push_and_generator_matches_learner(stack, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    stub, gen, gen_addr, _, _ = stack
+    r1 = train(stub, 1, seed=1)
+    r2 = train(stub, 2, seed=2)
+    assert (r2.step, r2.policy_version) == (2, 2)
+    for r in (r1, r2):
+        m = r.metrics
+        assert m.samples == 6 and m.tokens > 0 and m.grad_norm > 0 and m.lr == pytest.approx(1e-3)
+        assert 0 <= m.clip_fraction <= 1 and m.entropy > 0 and m.step_seconds > 0
+    assert train(stub, 2, seed=2) == r2  # a retried step is answered, not trained twice
+    reg = stub.RegisterGenerator(
+        lp.RegisterGeneratorRequest(address=gen_addr, replica_id="gen-0"), timeout=10
+    )
+    assert list(reg.replica_ids) == ["gen-0"]
+    with pytest.raises(grpc.RpcError) as e:
+        stub.PushWeights(lp.PushWeightsRequest(version=1), timeout=60)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    push = stub.PushWeights(lp.PushWeightsRequest(version=2, bucket_bytes=200_000), timeout=300)
+    assert (
+        list(push.replica_ids) == ["gen-0"] and push.bytes > 0
+    )  # checksums compared inside: DATA_LOSS otherwise
+    assert gen.GetStatus(g.GetStatusRequest(), timeout=10).policy_version == 2
+    again = stub.PushWeights(lp.PushWeightsRequest(version=2), timeout=60)  # idempotent: replica is current
+    assert again.bytes == 0
+    st = stub.GetStatus(lp.GetStatusRequest(), timeout=10)
+    assert [(x.replica_id, x.policy_version) for x in st.generators] == [("gen-0", 2)]
+
+    out = tmp_path / "export"
+    exp = stub.ExportModel(lp.ExportModelRequest(path=str(out)), timeout=300)
+    assert exp.policy_version == 2 and json.loads((out / "relayrl_export.json").read_text())["step"] == 2
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    prompts = [[1, 20 + i, 30, 40, 50] for i in range(3)]
+    req = g.GenerateRequest(
+        prompts=[
+            common_pb2.Prompt(prompt_id=f"p{i}", token_ids=common_pb2.TokenIds(ids=p))
+            for i, p in enumerate(prompts)
+        ],
+        sampling=g.SamplingParams(n=1, temperature=0.0, max_tokens=24, ignore_eos=True),
+    )
+    got = {
+        s.prompt_id: list(s.completion_token_ids) for r in gen.Generate(req, timeout=60) for s in r.samples
+    }
+    for i, p in enumerate(prompts):
+        ref = hf.generate(
+            torch.tensor([p]),
+            max_new_tokens=24,
+            min_new_tokens=24,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(p) :].tolist()
+        assert got[f"p{i}"] == ref, f"prompt {i}: generator diverges from the learner's exported weights"
+    base = AutoModelForCausalLM.from_pretrained(stack[5], dtype=torch.float32)
+    changed = [n for n, p in hf.named_parameters() if not torch.equal(p, dict(base.named_parameters())[n])]
+    assert len(changed) == len(list(base.parameters())), "every parameter moved in two steps"
+
+
+def test_unreachable_generator_gives_unavailable_and_training_goes_on(stack):
+    stub, *_ = stack
+    stub.RegisterGenerator(lp.RegisterGeneratorRequest(address="127.0.0.1:1", replica_id="ghost"), timeout=10)
+    step = stub.GetStatus(lp.GetStatusRequest(), timeout=10).step
+    r = train(stub, step + 1, seed=3)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.PushWeights(lp.PushWeightsRequest(version=r.policy_version), timeout=120)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "ghost" in e.value.details()
+    stub.UnregisterGenerator(lp.UnregisterGeneratorRequest(replica_id="ghost"), timeout=10)
+    push = stub.PushWeights(lp.PushWeightsRequest(version=r.policy_version), timeout=300)
+    assert list(push.replica_ids) == ["gen-0"]
+    assert stub.GetStatus(lp.GetStatusRequest(), timeout=10).ready
+
+
+def test_resume_continues_identically(tiny_model_dir, tmp_path):
+    """4 steps straight == 2 steps, checkpoint, new learner process, load, 2 steps (bitwise)."""
+    from safetensors.torch import load_file
+
+    ckpt, straight, resumed = tmp_path / "ckpt", tmp_path / "straight", tmp_path / "resumed"
+    with learner(tiny_model_dir, tmp_path) as (addr, _):
+        stub = lg.LearnerServiceStub(grpc.insecure_channel(addr))
+        train(stub, 1, seed=11)
+        train(stub, 2, seed=12)
+        saved = stub.SaveCheckpoint(
+            lp.SaveCheckpointRequest(path=str(ckpt), tag="s2", client_state_json='{"pos": 7}'), timeout=300
+        )
+        assert (saved.step, saved.tag) == (2, "s2")
+        train(stub, 3, seed=13)
+        train(stub, 4, seed=14)
+        stub.ExportModel(lp.ExportModelRequest(path=str(straight)), timeout=300)
+    with learner(tiny_model_dir, tmp_path) as (addr, _):
+        stub = lg.LearnerServiceStub(grpc.insecure_channel(addr))
+        with pytest.raises(grpc.RpcError) as e:
+            stub.LoadCheckpoint(
+                lp.LoadCheckpointRequest(path=str(tmp_path / "nothing"), tag="s2"), timeout=60
+            )
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        loaded = stub.LoadCheckpoint(lp.LoadCheckpointRequest(path=str(ckpt), tag="s2"), timeout=300)
+        assert (loaded.step, loaded.policy_version, json.loads(loaded.client_state_json)) == (
+            2,
+            2,
+            {"pos": 7},
+        )
+        train(stub, 3, seed=13)
+        train(stub, 4, seed=14)
+        stub.ExportModel(lp.ExportModelRequest(path=str(resumed)), timeout=300)
+    a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] - b[k]).abs().max().item() == 0, k

@@ -1,0 +1,228 @@
+"""Policy losses of the GRPO family against small examples worked out by hand.
+
+The shared batch: 2 sequences x 4 tokens, the last token of sequence 1 masked out (7 tokens count).
+Log-ratios d = logp - behavior, ratios r = e^d, against GRPO's clip range [0.8, 1.2]:
+
+    seq 0, A = +1: d = 0.4   -0.1  0.22  0.1       r = 1.492 0.905 1.246 1.105
+                       clip   -    clip   -        (DAPO's upper 1.28 leaves 1.246 unclipped)
+    seq 1, A = -2: d = -0.5   0.3  0.05  masked    r = 0.607 1.350 1.051
+                       clip   -     -              (r > 1.2 with A < 0: the min keeps r*A)
+
+Per-token loss = -min(r*A, clip(r)*A), e.g. -(1.2 * 1) for a clipped token of sequence 0.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import pytest
+import torch
+from pydantic import ValidationError
+from relayrl.learner.config import LossConfig
+from relayrl.learner.losses import LossInputs, Totals, policy_loss, token_logprobs_and_entropy
+
+approx = partial(pytest.approx, rel=1e-9)
+e = math.exp
+
+LP = [[-0.6, -2.1, -0.28, -1.4], [-0.8, -2.2, -1.15, 1.2]]
+BEH = [[-1.0, -2.0, -0.5, -1.5], [-0.3, -2.5, -1.2, -0.8]]
+REF = [[-0.7, -1.9, -0.28, -1.7], [-1.3, -2.1, -1.35, -50.0]]  # logp - ref = 0.1 -0.2 0 0.3 | 0.5 -0.1 0.2
+ADV = [1.0, -2.0]
+MASK = [[1, 1, 1, 1], [1, 1, 1, 0]]
+TOTALS = Totals(tokens=7, sequences=2, max_tokens=5)
+
+# GRPO per-token losses (clip 0.2/0.2), by the table above.
+G0 = [-1.2, -e(-0.1), -1.2, -e(0.1)]  # A=+1: clipped, r, clipped, r
+G1 = [-(0.8 * -2), -(e(0.3) * -2), -(e(0.05) * -2)]  # A=-2: clipped at 0.8, r, r
+
+
+def t64(x):
+    return torch.tensor(x, dtype=torch.float64)
+
+
+def batch(lp=LP, beh=BEH, ref=REF, adv=ADV, mask=MASK) -> LossInputs:
+    return LossInputs(t64(lp).requires_grad_(), t64(beh), t64(adv), torch.tensor(mask), t64(ref))
+
+
+def loss_and_grad(inp: LossInputs, cfg: LossConfig, totals: Totals = TOTALS):
+    loss, metrics = policy_loss(inp, cfg, totals)
+    loss.backward()
+    return loss.item(), inp.logprobs.grad.tolist(), metrics
+
+
+def test_grpo_sequence_aggregation():
+    loss, grad, metrics = loss_and_grad(batch(), LossConfig())
+    # Mean over each sequence's 4 and 3 tokens, then / 2 sequences.
+    assert loss == approx((sum(G0) / 4 + sum(G1) / 3) / 2)
+    # d(-r*A)/dlogp = -r*A on unclipped tokens, 0 on clipped ones; / (length * sequences).
+    assert grad[0] == approx([0.0, -e(-0.1) / 8, 0.0, -e(0.1) / 8])
+    assert grad[1] == approx([0.0, 2 * e(0.3) / 6, 2 * e(0.05) / 6, 0.0])
+    assert metrics == {"clipped": 3.0, "kl": 0.0, "tis_weight": 7.0}
+
+
+def test_grpo_token_aggregation():
+    loss, grad, _ = loss_and_grad(batch(), LossConfig(aggregation="token"))
+    assert loss == approx((sum(G0) + sum(G1)) / 7)
+    assert grad[1] == approx([0.0, 2 * e(0.3) / 7, 2 * e(0.05) / 7, 0.0])
+
+
+def test_drgrpo_divides_the_token_sum_by_sequences_times_max_tokens():
+    loss, grad, _ = loss_and_grad(batch(), LossConfig(kind="drgrpo"))
+    assert loss == approx((sum(G0) + sum(G1)) / (2 * 5))
+    assert grad[0] == approx([0.0, -e(-0.1) / 10, 0.0, -e(0.1) / 10])
+
+
+def test_dapo_clips_asymmetrically_and_averages_per_token():
+    d0 = [-1.28, -e(-0.1), -e(0.22), -e(0.1)]  # 1.492 clips at 1.28; 1.246 < 1.28 now unclipped
+    for cfg in (
+        LossConfig(kind="dapo", clip_high=0.28),
+        LossConfig(kind="dapo", clip_high=0.28, aggregation="token"),
+    ):
+        loss, _, metrics = loss_and_grad(batch(), cfg)
+        assert loss == approx((sum(d0) + sum(G1)) / 7)
+        assert metrics["clipped"] == 2.0  # (0, 0) high and (1, 0) low
+
+
+def test_dapo_rejects_sequence_aggregation():
+    with pytest.raises(ValidationError, match="dapo averages per token"):
+        LossConfig(kind="dapo", aggregation="sequence")
+
+
+@pytest.mark.parametrize(
+    "estimator, kl",
+    [("k1", lambda x: x), ("k3", lambda x: e(-x) + x - 1)],  # x = log(pi/ref); k3 = ref/pi - log(ref/pi) - 1
+)
+def test_kl_penalty_is_added_per_token_before_aggregation(estimator, kl):
+    k0 = [kl(x) for x in (0.1, -0.2, 0.0, 0.3)]
+    k1 = [kl(x) for x in (0.5, -0.1, 0.2)]
+    loss, _, metrics = loss_and_grad(batch(), LossConfig(kl_coef=0.1, kl_estimator=estimator))
+    assert loss == approx(((sum(G0) + 0.1 * sum(k0)) / 4 + (sum(G1) + 0.1 * sum(k1)) / 3) / 2)
+    assert metrics["kl"] == approx(sum(k0) + sum(k1))
+    if estimator == "k1":
+        assert metrics["kl"] == approx(0.8)
+
+
+def test_kl_without_reference_logprobs_raises():
+    inp = batch()
+    inp.ref_logprobs = None
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        policy_loss(inp, LossConfig(kl_coef=0.1), TOTALS)
+
+
+@pytest.mark.parametrize("aggregation, norm0, norm1", [("sequence", 4 * 2, 3 * 2), ("token", 7, 7)])
+def test_tis_weights_each_token_by_the_capped_behavior_ratio(aggregation, norm0, norm1):
+    # w = min(r, 1.3); the PPO ratio is pi / sg(pi) = 1, so clipping never acts and loss = -w*A.
+    w0 = [1.3, e(-0.1), e(0.22), e(0.1)]  # 1.492 capped
+    w1 = [e(-0.5), 1.3, e(0.05)]  # 1.350 capped
+    loss, grad, metrics = loss_and_grad(batch(), LossConfig(tis_cap=1.3, aggregation=aggregation))
+    assert loss == approx(sum(-w * 1 for w in w0) / norm0 + sum(-w * -2 for w in w1) / norm1)
+    # d/dlogp of -(pi/sg(pi)) * w * A = -w * A, over the token's normaliser.
+    assert grad[0] == approx([-w / norm0 for w in w0])
+    assert grad[1] == approx([2 * w / norm1 for w in w1] + [0.0])
+    assert metrics["clipped"] == 0.0
+    assert metrics["tis_weight"] == approx(sum(w0) + sum(w1))
+
+
+def test_clipped_counts_exactly_the_tokens_the_clip_silences():
+    # seq 0, A=+1: r = e^0.5 > 1.2 (counted), e^-0.5 < 0.8 but A > 0 (not), e^0.5 masked (not)
+    # seq 1, A=-1: r = e^-0.5 < 0.8 (counted), e^0.5 > 1.2 but A < 0 (not), e^-0.5 masked (not)
+    inp = batch(
+        lp=[[0.5, -0.5, 0.5], [-0.5, 0.5, -0.5]],
+        beh=[[0.0] * 3] * 2,
+        ref=[[0.0] * 3] * 2,
+        adv=[1.0, -1.0],
+        mask=[[1, 1, 0], [1, 1, 0]],
+    )
+    _, grad, metrics = loss_and_grad(inp, LossConfig(), Totals(tokens=4, sequences=2))
+    assert metrics["clipped"] == 2.0
+    # The counted tokens are the ones whose gradient the clip removed.
+    assert grad[0][0] == 0.0 and grad[1][0] == 0.0
+    assert grad[0][1] == approx(-e(-0.5) / 4) and grad[1][1] == approx(e(0.5) / 4)
+
+
+def test_sft_is_the_mean_negative_logprob_over_tokens():
+    loss, grad, metrics = loss_and_grad(batch(), LossConfig(kind="sft"))
+    assert loss == approx(-(-0.6 - 2.1 - 0.28 - 1.4 - 0.8 - 2.2 - 1.15) / 7)  # 8.53 / 7
+    assert grad[0] == approx([-1 / 7] * 4) and grad[1] == approx([-1 / 7] * 3 + [0.0])
+    assert metrics == {"clipped": 0.0, "kl": 0.0, "tis_weight": 7.0}
+
+
+CONFIGS = {
+    "grpo-sequence": LossConfig(),
+    "grpo-token": LossConfig(aggregation="token"),
+    "drgrpo": LossConfig(kind="drgrpo"),
+    "dapo": LossConfig(kind="dapo", clip_high=0.28),
+    "tis-kl": LossConfig(tis_cap=1.3, kl_coef=0.1, kl_estimator="k3"),
+}
+
+
+@pytest.mark.parametrize("cfg", CONFIGS.values(), ids=CONFIGS.keys())
+def test_micro_batch_losses_sum_to_the_full_batch_loss(cfg):
+    whole = batch()
+    full, _ = policy_loss(whole, cfg, TOTALS)
+    full.backward()
+    full_grad = whole.logprobs.grad.clone()
+
+    # Same leaf, split into sequence 0 and sequence 1 (the latter trimmed to its 3 real tokens).
+    split = batch()
+    lp, beh, adv, mask, ref = (
+        split.logprobs,
+        split.behavior_logprobs,
+        split.advantages,
+        split.mask,
+        split.ref_logprobs,
+    )
+    parts = [
+        LossInputs(lp[:1], beh[:1], adv[:1], mask[:1], ref[:1]),
+        LossInputs(lp[1:, :3], beh[1:, :3], adv[1:], mask[1:, :3], ref[1:, :3]),
+    ]
+    results = [policy_loss(p, cfg, TOTALS) for p in parts]
+    total = sum(loss for loss, _ in results)
+    total.backward()
+    assert total.item() == approx(full.item())
+    assert split.logprobs.grad.flatten().tolist() == approx(full_grad.flatten().tolist())
+    _, full_metrics = policy_loss(batch(), cfg, TOTALS)
+    for key, value in full_metrics.items():
+        assert sum(m[key] for _, m in results) == approx(value)
+
+
+def with_masked(rows, value):
+    return [rows[0], rows[1][:3] + [value]]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS.values(), ids=CONFIGS.keys())
+def test_masked_tokens_do_not_affect_loss_gradient_or_metrics(cfg):
+    clean = loss_and_grad(batch(), cfg)
+    # Large but finite garbage at the masked position: r = e^70 ~ 2.5e30, ref/pi = e^-90.
+    garbage = loss_and_grad(
+        batch(lp=with_masked(LP, 30.0), beh=with_masked(BEH, -40.0), ref=with_masked(REF, -60.0)), cfg
+    )
+    assert garbage[0] == approx(clean[0])
+    assert garbage[1][0] == approx(clean[1][0]) and garbage[1][1] == approx(clean[1][1])
+    assert garbage[2] == approx(clean[2])
+
+
+def test_masked_tokens_whose_ratio_overflows_do_not_poison_the_loss():
+    inp = batch(lp=with_masked(LP, 800.0))  # e^(800 + 0.8) = inf in float64; A = -2 gives per-token +inf
+    loss, grad, _ = loss_and_grad(inp, LossConfig())
+    assert math.isfinite(loss) and all(math.isfinite(g) for row in grad for g in row)
+
+
+def test_token_logprobs_and_entropy_match_a_hand_softmax():
+    # Token 0: logits ln1, ln2, ln3 -> p = 1/6, 2/6, 3/6. Token 1: logits 0, 0, 0 -> uniform.
+    logits = t64([[[0.0, math.log(2), math.log(3)], [0.0, 0.0, 0.0]]]).requires_grad_()
+    targets = torch.tensor([[2, 0]])
+    picked, entropy = token_logprobs_and_entropy(logits, targets)
+    # The function computes in float32 (logits.float()), hence the looser tolerance here.
+    assert picked.tolist()[0] == pytest.approx([math.log(1 / 2), math.log(1 / 3)], rel=1e-6)
+    h0 = -sum(p * math.log(p) for p in (1 / 6, 2 / 6, 3 / 6))
+    assert entropy.tolist()[0] == pytest.approx([h0, math.log(3)], rel=1e-6)
+    assert picked.requires_grad and not entropy.requires_grad
+
+    # Temperature 2: logits / 2 = ln(sqrt k) -> p proportional to 1, sqrt2, sqrt3; uniform stays uniform.
+    picked, entropy = token_logprobs_and_entropy(logits, targets, temperature=2.0)
+    z = 1 + math.sqrt(2) + math.sqrt(3)
+    probs = [1 / z, math.sqrt(2) / z, math.sqrt(3) / z]
+    assert picked.tolist()[0] == pytest.approx([math.log(math.sqrt(3) / z), math.log(1 / 3)], rel=1e-6)
+    assert entropy.tolist()[0] == pytest.approx([-sum(p * math.log(p) for p in probs), math.log(3)], rel=1e-6)

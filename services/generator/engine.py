@@ -117,7 +117,7 @@ class GenerationEngine(Protocol):
         timeout_s: float,
     ) -> tuple[int, int]: ...
     async def update_weights(
-        self, version: int, buckets: list[ws.Bucket]
+        self, version: int, buckets: list[ws.Bucket], transport_only: bool = False
     ) -> tuple[int, float, list[int]]: ...
     async def close_weight_sync(self) -> None: ...
     async def load_weights(
@@ -367,12 +367,21 @@ class VLLMEngine:
         if version <= self.version:
             raise FailedPrecondition(f"version {version} is not newer than the replica's {self.version}")
 
-    async def update_weights(self, version: int, buckets: list[ws.Bucket]) -> tuple[int, float, list[int]]:
-        """Receive ``buckets`` over the open group and switch to ``version``."""
+    async def update_weights(
+        self, version: int, buckets: list[ws.Bucket], transport_only: bool = False
+    ) -> tuple[int, float, list[int]]:
+        """Receive ``buckets`` over the open group and switch to ``version`` (or, with
+        ``transport_only``, receive and discard them: the weights and version stay)."""
         from relayrl.generator.worker_ext import plan_to_wire
 
         if self._group is None:
             raise FailedPrecondition("no weight-sync group is open (InitWeightSync first)")
+        if transport_only:
+            t0 = time.monotonic()
+            nbytes, sums = (
+                await self._llm.collective_rpc("relayrl_receive", args=(plan_to_wire(buckets), False))
+            )[0]
+            return int(nbytes), time.monotonic() - t0, list(sums)
         problems = ws.check_plan([t for b in buckets for t in b.tensors], self._expected, self._optional)
         stale = version <= self.version
         if problems or stale:

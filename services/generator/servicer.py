@@ -198,9 +198,14 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         buckets = [bucket_from_proto(b) for b in request.plan.buckets]
         if not buckets:
             raise InvalidRequest("plan has no buckets")
-        nbytes, secs, sums = await self._swapping(
-            lambda: self.engine.update_weights(request.version, buckets)
-        )
+        if request.transport_only:  # no swap: readiness and weights stay as they are
+            nbytes, secs, sums = await self.engine.update_weights(
+                request.version, buckets, transport_only=True
+            )
+        else:
+            nbytes, secs, sums = await self._swapping(
+                lambda: self.engine.update_weights(request.version, buckets)
+            )
         return generator_pb2.UpdateWeightsResponse(
             version=request.version, swap_seconds=secs, nbytes=nbytes, bucket_checksums=sums
         )

@@ -79,16 +79,17 @@ class WeightSyncExtension:
 
     def relayrl_receive(self, plan: list[dict], load: bool) -> tuple[int, list[int]]:
         """Receive every bucket of ``plan`` from rank 0; load them if ``load``, else discard them
-        (a rejected plan is still drained so the sender and the group are not left hanging).
-        Returns the bytes received and each bucket's checksum."""
+        (a rejected plan is still drained so the sender and the group are not left hanging;
+        a transport-only push is timed this way). Returns the bytes received and each bucket's
+        checksum."""
         pg = getattr(self, "_relayrl_pg", None)
         if pg is None:
             raise RuntimeError("no weight-sync group is open")
         buckets = plan_from_wire(plan)
         self._relayrl_checksums = []
         if not load:
-            for b in buckets:
-                ws.broadcast(pg, torch.empty(b.nbytes, dtype=torch.uint8, device=self._relayrl_device))
+            for _b, buf in self._relayrl_buffers(pg, buckets):
+                self._relayrl_checksums.append(ws.checksum(buf))
         else:
             # Resolve the device now: during a layerwise reload the model's parameters sit on
             # the meta device, so asking them inside the iterator would give "meta".
@@ -97,12 +98,26 @@ class WeightSyncExtension:
             self._relayrl_refresh_tied()
         return sum(b.nbytes for b in buckets), self._relayrl_checksums
 
+    def _relayrl_buffers(self, pg, buckets: list[ws.Bucket]) -> Iterator[tuple[ws.Bucket, torch.Tensor]]:
+        """Received buckets in order. The next bucket's broadcast is posted before the current
+        one is handed out, so receiving overlaps with loading (double buffering)."""
+
+        def post(b: ws.Bucket):
+            buf = torch.empty(b.nbytes, dtype=torch.uint8, device=self._relayrl_device)
+            return b, buf, pg.broadcast(buf, 0)
+
+        nxt = post(buckets[0]) if buckets else None
+        for i in range(len(buckets)):
+            b, buf, work = nxt
+            work.wait()
+            if i + 1 < len(buckets):
+                nxt = post(buckets[i + 1])
+            yield b, buf
+
     def _relayrl_stream(
         self, pg, buckets: list[ws.Bucket], device: torch.device
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        for b in buckets:
-            buf = torch.empty(b.nbytes, dtype=torch.uint8, device=self._relayrl_device)
-            ws.broadcast(pg, buf)
+        for b, buf in self._relayrl_buffers(pg, buckets):
             self._relayrl_checksums.append(ws.checksum(buf))
             yield from ws.unpack(b, buf.to(device))
 

@@ -85,11 +85,31 @@ class LearnerCore:
         self.control.send({"op": "train", "max_tokens": max_tokens}, req.SerializeToString())
         return self.trainer.train_step(samples, max_tokens)
 
-    def push(self, buckets_bytes: int, dtype: str, group: WeightGroup | None) -> tuple[int, list[int]]:
+    def push(
+        self, buckets_bytes: int, dtype: str, group: WeightGroup | None, transport_only: bool = False
+    ) -> tuple[int, list[int]]:
         """Gather (all ranks) and broadcast (rank 0 -> generators) every bucket; returns the
-        bytes sent and each bucket's checksum."""
+        bytes sent and each bucket's checksum. ``transport_only``: rank 0 broadcasts zeros of
+        the same sizes, nothing is gathered (the other ranks are not involved)."""
+        if transport_only:
+            return self._broadcast_zeros(buckets_bytes, dtype, group)
         self.control.send({"op": "push", "bucket_bytes": buckets_bytes, "dtype": dtype})
         return self._push(buckets_bytes, dtype, group)
+
+    def _broadcast_zeros(
+        self, bucket_bytes: int, dtype: str, group: WeightGroup | None
+    ) -> tuple[int, list[int]]:
+        import torch
+
+        buckets = ws.plan_buckets(self.trainer.param_metas(dtype), bucket_bytes)
+        device = self.trainer.device if group is not None and torch_backend_is_nccl(group) else "cpu"
+        sums = []
+        for b in buckets:
+            buf = torch.zeros(b.nbytes, dtype=torch.uint8, device=device)
+            if group is not None:
+                ws.broadcast(group.pg, buf)
+            sums.append(0)
+        return sum(b.nbytes for b in buckets), sums
 
     def save(self, path: str, tag: str, client_state_json: str) -> None:
         self.control.send({"op": "save", "path": path, "tag": tag, "state": client_state_json})
@@ -114,17 +134,27 @@ class LearnerCore:
         buckets = ws.plan_buckets(self.trainer.param_metas(dtype), bucket_bytes)
         device = self.trainer.device if group is not None and torch_backend_is_nccl(group) else "cpu"
         sent, sums, error = 0, [], None
+        in_flight = None  # (work, buf): broadcast of bucket i runs while bucket i+1 is gathered
         for b, tensors in zip(buckets, self.trainer.gathered_buckets(buckets), strict=True):
-            if tensors is not None and group is not None and error is None:
-                try:
-                    buf = ws.pack(b, tensors, device=device)
-                    ws.broadcast(group.pg, buf)
-                    sums.append(ws.checksum(buf))
-                    sent += b.nbytes
-                except RuntimeError as e:
-                    # A generator died mid-broadcast. Keep gathering (the other ranks are in
-                    # the same loop, a collective each), then report; training is unharmed.
-                    error = e
+            if tensors is None or group is None or error is not None:
+                continue
+            try:
+                buf = ws.pack(b, tensors, device=device)
+                sums.append(ws.checksum(buf))
+                work = group.pg.broadcast(buf, 0)
+                if in_flight is not None:
+                    in_flight[0].wait()
+                in_flight = (work, buf)
+                sent += b.nbytes
+            except RuntimeError as e:
+                # A generator died mid-broadcast. Keep gathering (the other ranks are in the
+                # same loop, a collective each), then report; training is unharmed.
+                error = e
+        if in_flight is not None and error is None:
+            try:
+                in_flight[0].wait()
+            except RuntimeError as e:
+                error = e
         if error is not None:
             raise Unavailable(f"weight broadcast failed after {sent} bytes: {error}")
         return sent, sums

@@ -110,7 +110,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     async def PushWeights(self, request, context):
         check_no_unknown_fields(request)
         async with self.lock:
-            if request.version != self.trainer.version:
+            only = request.transport_only
+            if not only and request.version != self.trainer.version:
                 raise FailedPrecondition(
                     f"version {request.version} is not the learner's policy version {self.trainer.version}"
                 )
@@ -119,10 +120,12 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             sent, replicas = await self.sync.push(
                 request.version,
                 bucket_bytes,
-                lambda group: self._collective(self.core.push, bucket_bytes, self.sync.dtype, group),
+                lambda group: self._collective(self.core.push, bucket_bytes, self.sync.dtype, group, only),
+                transport_only=only,
             )
             secs = time.monotonic() - t0
-            metrics.SYNC_SECONDS.observe(secs)
+            if not only:
+                metrics.SYNC_SECONDS.observe(secs)
             return learner_pb2.PushWeightsResponse(
                 version=request.version, seconds=secs, bytes=sent, replica_ids=replicas
             )

@@ -170,12 +170,15 @@ class WeightSync:
         version: int,
         bucket_bytes: int,
         collective: Callable[[WeightGroup | None], Awaitable[tuple[int, list[int]]]],
+        transport_only: bool = False,
     ) -> tuple[int, list[str]]:
-        if not self.addresses or all(self.versions.get(r) == version for r in self.addresses):
-            return 0, sorted(r for r in self.addresses)  # nothing registered, or all current
+        if not self.addresses:
+            return 0, []
+        if not transport_only and all(self.versions.get(r) == version for r in self.addresses):
+            return 0, sorted(self.addresses)  # all current: idempotent by version
         group = await self._ensure_group()
         plan = plan_to_proto(ws.plan_buckets(self._metas(self.dtype), bucket_bytes))
-        req = g.UpdateWeightsRequest(version=version, plan=plan)
+        req = g.UpdateWeightsRequest(version=version, plan=plan, transport_only=transport_only)
         rids = sorted(group.members)
         calls = [
             asyncio.ensure_future(self._stub(r).UpdateWeights(req, timeout=self.deadline_s)) for r in rids
@@ -194,7 +197,7 @@ class WeightSync:
                 failed.append(f"{r}: {_why(a)}")
             elif list(a.bucket_checksums) != sums:
                 corrupted.append(r)
-            else:
+            elif not transport_only:
                 self.versions[r] = a.version
         if corrupted:
             await self._close_group()

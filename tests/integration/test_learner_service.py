@@ -132,7 +132,7 @@ def test_train_push_and_generator_matches_learner(stack, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    stub, gen, gen_addr, _, _ = stack
+    stub, gen, gen_addr, *_ = stack
     r1 = train(stub, 1, seed=1)
     r2 = train(stub, 2, seed=2)
     assert (r2.step, r2.policy_version) == (2, 2)

@@ -100,7 +100,7 @@ class FakeEngine:
     async def open_weight_sync(self, *args):
         return 1, 1
 
-    async def update_weights(self, version, buckets):
+    async def update_weights(self, version, buckets, transport_only=False):
         return await self._swap(version, self.buckets, [b.nbytes for b in buckets])
 
     async def close_weight_sync(self):

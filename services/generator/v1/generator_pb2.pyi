@@ -120,12 +120,14 @@ class BucketPlan(_message.Message):
     def __init__(self, buckets: _Optional[_Iterable[_Union[Bucket, _Mapping]]] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("version", "plan")
+    __slots__ = ("version", "plan", "transport_only")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_ONLY_FIELD_NUMBER: _ClassVar[int]
     version: int
     plan: BucketPlan
-    def __init__(self, version: _Optional[int] = ..., plan: _Optional[_Union[BucketPlan, _Mapping]] = ...) -> None: ...
+    transport_only: bool
+    def __init__(self, version: _Optional[int] = ..., plan: _Optional[_Union[BucketPlan, _Mapping]] = ..., transport_only: _Optional[bool] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("version", "swap_seconds", "nbytes", "bucket_checksums")

@@ -102,12 +102,14 @@ class UnregisterGeneratorResponse(_message.Message):
     def __init__(self, replica_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PushWeightsRequest(_message.Message):
-    __slots__ = ("version", "bucket_bytes")
+    __slots__ = ("version", "bucket_bytes", "transport_only")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_ONLY_FIELD_NUMBER: _ClassVar[int]
     version: int
     bucket_bytes: int
-    def __init__(self, version: _Optional[int] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+    transport_only: bool
+    def __init__(self, version: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., transport_only: _Optional[bool] = ...) -> None: ...
 
 class PushWeightsResponse(_message.Message):
     __slots__ = ("version", "seconds", "bytes", "replica_ids")

@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     from relayrl.common import serve_cli
     from relayrl.common.data import cli as data_cli
     from relayrl.common.modelkit import cli as model_cli
+    from relayrl.coordinator import cli as coordinator_cli
 
     parser = argparse.ArgumentParser(
         prog="relayrl", description="RL post-training of LLMs over decoupled gRPC services."
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_cli.add_parser(sub)
     data_cli.add_parser(sub)
     serve_cli.add_parser(sub)
+    coordinator_cli.add_parser(sub)
     return parser
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 
 from relayrl.common import config as cfg
 
-# flag -> (config path, type, help). Flags are shortcuts for --set PATH=VALUE.
+# flag -> (config path, type, help). Flags are shortcuts for --set PATH=VALUE; type ``list`` makes a
+# repeatable flag whose values form the list.
 _COMMON = {
     "--host": ("serve.host", str, "address to bind (default 127.0.0.1)"),
     "--port": ("serve.port", int, "gRPC port (0: pick a free one)"),
@@ -33,6 +35,16 @@ SERVICES: dict[str, dict[str, tuple[str, type, str]]] = {
         "--lr": ("optim.lr", float, "peak learning rate"),
         "--loss": ("loss.kind", str, "grpo, drgrpo, dapo, sft"),
     },
+    "reward": {
+        "--workers": ("workers", int, "scoring processes (default 2)"),
+        "--timeout-seconds": ("timeout_seconds", float, "per-sample scoring limit when a request sets none"),
+        "--plugin": (
+            "plugins",
+            list,
+            "user scorer MODULE:FUNCTION (repeatable); the function's data_sources attribute lists "
+            "the data sources it scores",
+        ),
+    },
 }
 # Launcher flags of the learner (torchrun rendezvous), not config fields.
 _LAUNCH = {
@@ -52,6 +64,10 @@ def _config_class(service: str):
         from relayrl.learner.config import LearnerConfig
 
         return LearnerConfig
+    if service == "reward":
+        from relayrl.reward.config import RewardConfig
+
+        return RewardConfig
     raise SystemExit(f"relayrl serve: unknown service {service!r}")
 
 
@@ -66,7 +82,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         )
         s.add_argument("--port-file", help="write the bound gRPC port here once serving")
         for flag, (_path, typ, helptext) in {**_COMMON, **flags}.items():
-            s.add_argument(flag, type=typ, help=helptext)
+            if typ is list:
+                s.add_argument(flag, action="append", metavar="MODULE:FUNCTION", help=helptext)
+            else:
+                s.add_argument(flag, type=typ, help=helptext)
         if name == "learner":
             for flag, (typ, helptext) in _LAUNCH.items():
                 s.add_argument(flag, type=typ, help=helptext)
@@ -74,11 +93,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def build_config(args: argparse.Namespace):
-    overrides = [
-        f"{path}={getattr(args, flag[2:].replace('-', '_'))}"
-        for flag, (path, _t, _h) in args._flags.items()
-        if getattr(args, flag[2:].replace("-", "_")) is not None
-    ]
+    overrides = []
+    for flag, (path, _t, _h) in args._flags.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:  # lists as JSON: a YAML flow sequence that keeps "a:b" one string
+            overrides.append(f"{path}={json.dumps(value) if isinstance(value, list) else value}")
     return cfg.load(_config_class(args.service), args.config, [*overrides, *args.set])
 
 
@@ -94,6 +113,10 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(serve(config, args.port_file))
     elif args.service == "learner":
         return launch_learner(config, args)
+    elif args.service == "reward":
+        from relayrl.reward.server import run as serve
+
+        asyncio.run(serve(config, args.port_file))
     return 0
 
 

@@ -186,4 +186,9 @@ def load_experiment(path: str | Path, overrides: list[str] | tuple[str, ...] = (
         exp.generator.engine.model = exp.model.path
     if not exp.learner.model:
         exp.learner.model = exp.model.path
+    # The learner scores tokens like the generators sample them, and Dr.GRPO divides by the
+    # longest completion allowed.
+    exp.learner.loss.temperature = exp.sampling.temperature or 1.0
+    if exp.learner.loss.max_tokens_normaliser is None:
+        exp.learner.loss.max_tokens_normaliser = exp.sampling.max_tokens
     return exp

@@ -432,5 +432,5 @@ def test_sigterm_drains_and_exits(server):
 
     stub, proc, _ = server
     server_learner["l"].pg = None
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0
+    proc.proc.send_signal(signal.SIGTERM)  # the server process alone, as an orchestrator would
+    assert proc.proc.wait(timeout=60) == 0

@@ -1,0 +1,115 @@
+"""Weight sync: PushWeights against a raw broadcast of the same bytes, same processes, one run.
+
+    python bench/sync.py [--sizes 10m,100m] [--repeats 3] [--bucket-mb 64]
+
+For each model size a learner (1 rank, ZeRO-3) and a generator (vLLM) run as services, as in
+production. ``PushWeights`` is timed end to end: gather the ZeRO-3 shards, pack buckets,
+broadcast over the weight-sync group, receive and load into vLLM, answer. The baseline is
+``PushWeights(transport_only)`` between the same two processes over the same group: the
+same buckets of bytes broadcast and received, nothing gathered, packed or loaded. Last line:
+``sync_vs_raw_broadcast_ratio: X`` for the larger model (target <= 1.25).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import print_table
+
+SIZES = {  # name -> TinySpec kwargs (head_dim 64 for vLLM's CPU attention)
+    "10m": dict(hidden_size=384, num_layers=6, num_heads=6, num_kv_heads=2, intermediate_size=1024),
+    "100m": dict(hidden_size=1024, num_layers=9, num_heads=16, num_kv_heads=4, intermediate_size=2816),
+}
+
+
+def measure(name: str, model: str, repeats: int, bucket_mb: float, tmp: Path) -> dict:
+    import grpc
+    from relayrl.learner.v1 import learner_pb2 as lp
+    from relayrl.learner.v1 import learner_pb2_grpc as lg
+
+    from tests.procs import service
+
+    gen = [
+        "generator",
+        "--model",
+        model,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--replica-id",
+        "g0",
+    ]
+    lrn = ["learner", "--model", model, "--world-size", "1", "--set", f"bucket_mb={bucket_mb}"]
+    with service(gen, tmp, timeout=600) as (gaddr, _), service(lrn, tmp, timeout=600) as (laddr, _):
+        stub = lg.LearnerServiceStub(grpc.insecure_channel(laddr))
+        stub.RegisterGenerator(lp.RegisterGeneratorRequest(address=gaddr, replica_id="g0"), timeout=30)
+        sample = lp.TrainSample(
+            prompt_token_ids=[1, 2, 3],
+            completion_token_ids=[4, 5],
+            generator_logprobs=[-1, -1],
+            advantage=1.0,
+        )
+        raw = stub.PushWeights(
+            lp.PushWeightsRequest(transport_only=True), timeout=600
+        )  # forms the group, warms up
+        push, base = [], []
+        for step in range(1, repeats + 2):
+            stub.TrainStep(lp.TrainStepRequest(step=step, samples=[sample]), timeout=600)
+            r = stub.PushWeights(lp.PushWeightsRequest(version=step), timeout=600)
+            raw = stub.PushWeights(lp.PushWeightsRequest(transport_only=True), timeout=600)
+            if step > 1:  # the first push warms the load path
+                push.append(r.seconds)
+                base.append(raw.seconds)
+    nbytes = r.bytes
+    p, b = statistics.median(push), statistics.median(base)
+    return {"name": name, "bytes": nbytes, "push": p, "raw": b, "ratio": p / b}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="10m,100m")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=float, default=64)
+    args = ap.parse_args()
+    import relayrl  # noqa: F401
+    from relayrl.common.modelkit.tiny import TinySpec, write_tiny_model
+
+    rows = []
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.sizes.split(","):
+            model = write_tiny_model(Path(tmp) / name, seed=0, spec=TinySpec(**SIZES[name]))
+            res = measure(name, str(model), args.repeats, args.bucket_mb, Path(tmp))
+            results.append(res)
+            gb = res["bytes"] / 1e9
+            rows.append(
+                [
+                    name,
+                    f"{res['bytes'] / 4e6:.1f}M",
+                    f"{gb:.3f}",
+                    f"{res['push']:.3f}",
+                    f"{res['raw']:.3f}",
+                    f"{gb / res['push']:.2f}",
+                    f"{res['ratio']:.2f}",
+                ]
+            )
+    print_table(
+        ["model", "params", "GB (fp32)", "PushWeights s", "raw broadcast s", "push GB/s", "ratio"],
+        rows,
+        title=f"weight sync, learner (1 rank) -> 1 generator, gloo on loopback, buckets {args.bucket_mb} MiB, "
+        f"median of {args.repeats}",
+    )
+    print(f"sync_vs_raw_broadcast_ratio: {results[-1]['ratio']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Clients of the three services, as the coordinator uses them: deadlines on every call, work
+spread over replicas, and a failed replica's work re-issued to the others.
+
+Generate is spread by prompt: each healthy replica gets a share of the prompts. If a replica's
+call fails (it died, or its deadline passed), its prompts whose groups are not complete are sent
+again to the replicas still healthy; samples are keyed by (prompt_id, sample_index) and a
+partial group from a failed call is discarded, so no prompt is lost or counted twice. Score is
+stateless and is re-issued the same way by chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from relayrl.common.v1 import common_pb2
+from relayrl.generator.v1 import generator_pb2 as g
+from relayrl.generator.v1 import generator_pb2_grpc as gg
+from relayrl.reward.v1 import reward_pb2 as rw
+from relayrl.reward.v1 import reward_pb2_grpc as rwg
+
+logger = logging.getLogger(__name__)
+_OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
+# Codes after which a replica is taken out of rotation (it is gone or not serving).
+_DOWN = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+}
+
+
+class NoReplicaLeft(RuntimeError):
+    """Every replica of a service failed."""
+
+
+@dataclass
+class Replica:
+    name: str
+    address: str
+    channel: grpc.aio.Channel = field(repr=False, default=None)  # type: ignore[assignment]
+    healthy: bool = True
+
+    def __post_init__(self) -> None:
+        self.channel = grpc.aio.insecure_channel(self.address, options=_OPTIONS)
+
+
+def _split(items: Sequence, parts: int) -> list[list]:
+    return [list(items[i::parts]) for i in range(parts)]
+
+
+class GeneratorPool:
+    def __init__(
+        self, replicas: dict[str, str], deadline_s: float, on_down: Callable[[str], None] | None = None
+    ):
+        self.replicas = [Replica(n, a) for n, a in replicas.items()]
+        self.deadline_s = deadline_s
+        self.on_down = on_down
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas if r.healthy]
+
+    def mark_down(self, rep: Replica, why: str) -> None:
+        if rep.healthy:
+            rep.healthy = False
+            logger.warning("generator %s (%s) taken out of rotation: %s", rep.name, rep.address, why)
+            if self.on_down:
+                self.on_down(rep.name)
+
+    async def generate(
+        self, prompts: list[common_pb2.Prompt], sampling: g.SamplingParams, request_id: str
+    ) -> dict[str, list[common_pb2.Sample]]:
+        """All ``sampling.n`` samples of every prompt, grouped by prompt_id."""
+        done: dict[str, dict[int, common_pb2.Sample]] = {}
+        todo = list(prompts)
+        attempt = 0
+        while todo:
+            reps = self.healthy()
+            if not reps:
+                raise NoReplicaLeft("no generator replica left to sample from")
+            shares = _split(todo, len(reps))
+            results = await asyncio.gather(
+                *(
+                    self._call(rep, share, sampling, f"{request_id}-a{attempt}-{i}")
+                    for i, (rep, share) in enumerate(zip(reps, shares, strict=True))
+                    if share
+                )
+            )
+            todo = []
+            for got, failed in results:
+                for pid, samples in got.items():
+                    if len(samples) == sampling.n:
+                        done[pid] = samples
+                todo += [p for p in failed if p.prompt_id not in done]
+            attempt += 1
+        return {pid: [s[i] for i in sorted(s)] for pid, s in done.items()}
+
+    async def _call(self, rep: Replica, share: list, sampling: g.SamplingParams, rid: str):
+        got: dict[str, dict[int, common_pb2.Sample]] = {}
+        stub = gg.GeneratorServiceStub(rep.channel)
+        try:
+            call = stub.Generate(
+                g.GenerateRequest(request_id=rid, prompts=share, sampling=sampling), timeout=self.deadline_s
+            )
+            async for resp in call:
+                for s in resp.samples:
+                    got.setdefault(s.prompt_id, {})[s.sample_index] = s
+            return got, []
+        except grpc.aio.AioRpcError as e:
+            if e.code() not in _DOWN:
+                raise  # a bad request: re-issuing it elsewhere would fail the same way
+            self.mark_down(rep, f"{e.code().name}: {e.details()}")
+            complete = {pid: s for pid, s in got.items() if len(s) == sampling.n}
+            return complete, [p for p in share if p.prompt_id not in complete]
+
+    async def close(self) -> None:
+        for r in self.replicas:
+            await r.channel.close()
+
+
+class RewardPool:
+    def __init__(self, replicas: dict[str, str], deadline_s: float, chunk: int = 256):
+        self.replicas = [Replica(n, a) for n, a in replicas.items()]
+        self.deadline_s = deadline_s
+        self.chunk = chunk
+
+    async def score(self, items: list[rw.RewardInput], request_id: str) -> list[rw.RewardResult]:
+        """Results in the order of ``items``."""
+        chunks = [items[i : i + self.chunk] for i in range(0, len(items), self.chunk)]
+        out: list[list[rw.RewardResult] | None] = [None] * len(chunks)
+        pending = list(range(len(chunks)))
+        while pending:
+            reps = [r for r in self.replicas if r.healthy]
+            if not reps:
+                raise NoReplicaLeft("no reward replica left to score with")
+            answers = await asyncio.gather(
+                *(
+                    self._call(reps[k % len(reps)], chunks[c], f"{request_id}-{c}")
+                    for k, c in enumerate(pending)
+                )
+            )
+            still = []
+            for c, a in zip(pending, answers, strict=True):
+                if a is None:
+                    still.append(c)  # its replica failed: re-issued to the others
+                else:
+                    out[c] = a
+            pending = still
+        return [r for chunk in out for r in chunk]  # type: ignore[union-attr]
+
+    async def _call(self, rep: Replica, chunk: list, rid: str) -> list[rw.RewardResult] | None:
+        try:
+            resp = await rwg.RewardServiceStub(rep.channel).Score(
+                rw.ScoreRequest(request_id=rid, items=chunk), timeout=self.deadline_s
+            )
+            return list(resp.results)
+        except grpc.aio.AioRpcError as e:
+            if e.code() not in _DOWN:
+                raise
+            rep.healthy = False
+            logger.warning(
+                "reward replica %s taken out of rotation: %s %s", rep.name, e.code().name, e.details()
+            )
+            return None
+
+    async def close(self) -> None:
+        for r in self.replicas:
+            await r.channel.close()

@@ -1,0 +1,92 @@
+"""Local service processes for the embedded default (and for tests): start, wait, stop by handle.
+
+Each service runs as ``relayrl serve <svc> --config <its section> --port 0 --port-file F`` in its
+own process group, logs to a file, and is stopped by SIGTERM to that group (then SIGKILL after a
+grace period). Every command is returned so the run folder can record it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+class ServiceProcess:
+    """One ``relayrl serve`` process."""
+
+    def __init__(self, name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None):
+        self.name = name
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.port_file = log_dir / f"{name}.port"
+        self.port_file.unlink(missing_ok=True)
+        self.log_path = log_dir / f"{name}.log"
+        self.command = [
+            sys.executable,
+            "-m",
+            "relayrl.cli",
+            "--log-level",
+            "INFO",
+            "serve",
+            *args,
+            "--port-file",
+            str(self.port_file),
+        ]
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            self.command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})},
+        )
+        self.address: str | None = None
+
+    def wait_ready(self, timeout: float) -> str:
+        """Block until the service wrote its port; returns ``127.0.0.1:PORT``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.port_file.read_text().strip() if self.port_file.exists() else ""
+            if text:
+                self.address = f"127.0.0.1:{text}"
+                return self.address
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with code {self.proc.returncode} before serving:\n{self.tail()}"
+                )
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{self.name} did not start within {timeout:.0f}s:\n{self.tail()}")
+            time.sleep(0.2)
+
+    def tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """Hard kill (fault injection in tests)."""
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, grace: float = 60.0) -> int | None:
+        """SIGTERM the process group, wait ``grace`` seconds, then SIGKILL it."""
+        if self.alive():
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+        self._log.close()
+        return self.proc.returncode

@@ -1,0 +1,318 @@
+"""The RL loop of one experiment: prompts -> Generate -> Score -> advantages -> TrainStep ->
+PushWeights, with bounded staleness, evaluation, checkpoints and metrics.
+
+Staleness. Every sample carries the policy version(s) that produced it. With
+``max_staleness`` 0 the loop is synchronous: the next batch is generated only after the new
+weights reached the generators. With 1 or more, generation of batch k+1 starts before batch k
+is trained, so generation overlaps training and weight sync (a swap lands mid-generation and
+the affected samples carry both versions). At training time a sample whose oldest version lags
+the learner by more than ``max_staleness`` is dropped with its group, and counted.
+
+Data order is a seeded shuffle per epoch; the position (epoch, index) and the step go into
+every checkpoint, so a resumed run continues with the same prompts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from relayrl.common.v1 import common_pb2
+from relayrl.coordinator.advantages import advantages
+from relayrl.coordinator.clients import GeneratorPool, RewardPool
+from relayrl.coordinator.config import ExperimentConfig
+from relayrl.generator.v1 import generator_pb2 as g
+from relayrl.learner.v1 import learner_pb2 as lp
+from relayrl.learner.v1 import learner_pb2_grpc as lg
+from relayrl.reward.v1 import reward_pb2 as rw
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Position:
+    """Where the loop is: learner step done and the next prompt's place in the shuffled data."""
+
+    step: int = 0
+    epoch: int = 0
+    index: int = 0
+
+
+@dataclass
+class Rollout:
+    """One step's scored groups."""
+
+    groups: list[tuple[dict, list[common_pb2.Sample], list[rw.RewardResult]]]
+    seconds: dict[str, float] = field(default_factory=dict)
+    gen_tokens: int = 0
+
+
+def prompt_text(row: dict) -> str:
+    return "\n".join(m["content"] for m in row["prompt"])
+
+
+def ground_truth_text(gt) -> str:
+    return gt if isinstance(gt, str) else json.dumps(gt)
+
+
+def version_of(s: common_pb2.Sample) -> int:
+    """The oldest policy version that produced any token of the sample."""
+    return min([s.policy_version, *(sp.version for sp in s.version_spans)])
+
+
+class Experiment:
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        run_dir: Path,
+        train_rows: list[dict],
+        test_rows: list[dict],
+        generators: GeneratorPool,
+        rewards: RewardPool,
+        learner: lg.LearnerServiceStub,
+        on_record: Callable[[dict], None] | None = None,
+    ):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.train_rows = train_rows
+        self.test_rows = test_rows
+        self.gen = generators
+        self.rewards = rewards
+        self.learner = learner
+        self.pos = Position()
+        self.version = 0
+        self.on_record = on_record
+        self.stop_requested = asyncio.Event()
+        self.deadline = cfg.services.deadline_seconds
+        self.records: list[dict] = []
+
+    # -- data ------------------------------------------------------------------------------
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.train_rows)))
+        if self.cfg.data.shuffle:
+            random.Random(self.cfg.seed * 100_003 + epoch).shuffle(order)
+        return order
+
+    def next_prompts(self, pos: Position) -> tuple[list[tuple[str, dict]], Position]:
+        """The next ``prompts_per_step`` rows with stable ids, and the position after them."""
+        out, epoch, index = [], pos.epoch, pos.index
+        order = self._order(epoch)
+        while len(out) < self.cfg.schedule.prompts_per_step:
+            if index >= len(order):
+                epoch, index = epoch + 1, 0
+                order = self._order(epoch)
+            out.append((f"e{epoch}-{order[index]}", self.train_rows[order[index]]))
+            index += 1
+        return out, Position(pos.step, epoch, index)
+
+    # -- phases ----------------------------------------------------------------------------
+    def _sampling(self, greedy: bool) -> g.SamplingParams:
+        s = self.cfg.sampling
+        params = g.SamplingParams(
+            n=1 if greedy else s.n,
+            max_tokens=s.max_tokens,
+            stop=s.stop,
+            temperature=0.0 if greedy else s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+        )
+        return params
+
+    async def rollout(self, batch: list[tuple[str, dict]], greedy: bool = False, tag: str = "") -> Rollout:
+        t0 = time.monotonic()
+        prompts = [
+            common_pb2.Prompt(
+                prompt_id=pid,
+                messages=common_pb2.ChatMessages(
+                    messages=[
+                        common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in row["prompt"]
+                    ]
+                ),
+            )
+            for pid, row in batch
+        ]
+        samples = await self.gen.generate(
+            prompts, self._sampling(greedy), request_id=tag or f"step{self.pos.step}"
+        )
+        t1 = time.monotonic()
+        items = []
+        for pid, row in batch:
+            for s in samples[pid]:
+                items.append(
+                    rw.RewardInput(
+                        sample_id=f"{pid}/{s.sample_index}",
+                        prompt=prompt_text(row),
+                        completion=s.text,
+                        data_source=row["data_source"],
+                        ground_truth=ground_truth_text(row["reward_model"]["ground_truth"]),
+                        extra_info_json=json.dumps(row.get("extra_info") or {}),
+                    )
+                )
+        results = await self.rewards.score(items, request_id=tag or f"step{self.pos.step}")
+        t2 = time.monotonic()
+        groups, k = [], 0
+        for pid, row in batch:
+            n = len(samples[pid])
+            groups.append((row, samples[pid], results[k : k + n]))
+            k += n
+        tokens = sum(len(s.completion_token_ids) for v in samples.values() for s in v)
+        return Rollout(groups, {"generate": t1 - t0, "score": t2 - t1}, tokens)
+
+    def train_batch(self, ro: Rollout) -> tuple[list[lp.TrainSample], dict[str, float]]:
+        """Advantages per group; stale groups dropped; groups without signal left out."""
+        out, dropped, flat, lags = [], 0, 0, []
+        for _row, samples, results in ro.groups:
+            lag = max(self.version - version_of(s) for s in samples)
+            if lag > self.cfg.schedule.max_staleness:
+                dropped += 1
+                continue
+            lags += [self.version - version_of(s) for s in samples]
+            rewards = [r.reward if r.status == rw.SCORE_STATUS_OK else 0.0 for r in results]
+            adv = advantages(rewards, self.cfg.algorithm.advantage, self.cfg.algorithm.scale_std)
+            if all(a == 0 for a in adv):
+                flat += 1  # equal rewards: zero gradient, only cost
+                continue
+            out += [
+                lp.TrainSample(
+                    prompt_token_ids=s.prompt_token_ids,
+                    completion_token_ids=s.completion_token_ids,
+                    generator_logprobs=s.logprobs,
+                    advantage=a,
+                    policy_version=version_of(s),
+                )
+                for s, a in zip(samples, adv, strict=True)
+            ]
+        return out, {
+            "dropped_stale_groups": dropped,
+            "zero_signal_groups": flat,
+            "staleness_mean": sum(lags) / len(lags) if lags else 0.0,
+            "staleness_max": max(lags, default=0),
+        }
+
+    @staticmethod
+    def reward_stats(ro: Rollout) -> dict[str, float]:
+        results = [r for _, _, rs in ro.groups for r in rs]
+        samples = [s for _, ss, _ in ro.groups for s in ss]
+        comps: dict[str, list[float]] = {}
+        for r in results:
+            for k, v in r.components.items():
+                comps.setdefault(k, []).append(v)
+        lengths = [len(s.completion_token_ids) for s in samples]
+        stats = {
+            "reward_mean": sum(r.reward for r in results) / max(1, len(results)),
+            "reward_errors": sum(r.status != rw.SCORE_STATUS_OK for r in results),
+            "completion_len_mean": sum(lengths) / max(1, len(lengths)),
+            "completion_len_max": max(lengths, default=0),
+        }
+        stats.update({f"reward_{k}": sum(v) / len(v) for k, v in comps.items()})
+        return stats
+
+    async def evaluate(self) -> float:
+        """Greedy accuracy on the held-out rows: share of rows whose answer is correct."""
+        if not self.test_rows:
+            return float("nan")
+        batch = [(f"test-{i}", row) for i, row in enumerate(self.test_rows)]
+        ro = await self.rollout(batch, greedy=True, tag=f"eval{self.pos.step}")
+        hits = 0
+        for _, _, results in ro.groups:
+            r = results[0]
+            correct = r.components.get("correctness", 1.0 if r.reward >= 1.0 else 0.0)
+            hits += r.status == rw.SCORE_STATUS_OK and correct >= 1.0
+        return hits / len(ro.groups)
+
+    async def push(self) -> float:
+        t0 = time.monotonic()
+        await self.learner.PushWeights(lp.PushWeightsRequest(version=self.version), timeout=self.deadline)
+        return time.monotonic() - t0
+
+    async def checkpoint(self) -> None:
+        tag = f"step{self.pos.step}"
+        state = json.dumps(asdict(self.pos))
+        await self.learner.SaveCheckpoint(
+            lp.SaveCheckpointRequest(
+                path=str(self.run_dir / "checkpoints"), tag=tag, client_state_json=state
+            ),
+            timeout=self.deadline,
+        )
+        (self.run_dir / "checkpoints" / "coordinator.json").write_text(
+            json.dumps({"tag": tag, **asdict(self.pos)}) + "\n"
+        )
+
+    def record(self, values: dict) -> None:
+        rec = {"step": self.pos.step, "time": time.time(), **values}
+        self.records.append(rec)
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self.on_record:
+            self.on_record(rec)
+
+    # -- the loop --------------------------------------------------------------------------
+    async def run(self) -> None:
+        sched = self.cfg.schedule
+        if self.pos.step == 0 and sched.eval_every:
+            self.record({"eval_accuracy": await self.evaluate()})
+        batch, nxt = self.next_prompts(self.pos)
+        pending = asyncio.ensure_future(self.rollout(batch))
+        while self.pos.step < sched.steps and not self.stop_requested.is_set():
+            t_wait = time.monotonic()
+            ro = await pending
+            idle = time.monotonic() - t_wait
+            pos_after = nxt
+            last = self.pos.step + 1 >= sched.steps
+            if sched.max_staleness >= 1 and not last:  # overlap: next batch generates during training
+                batch, nxt = self.next_prompts(pos_after)
+                pending = asyncio.ensure_future(self.rollout(batch))
+            samples, stats = self.train_batch(ro)
+            t0 = time.monotonic()
+            train_metrics: dict[str, float] = {}
+            if samples:
+                resp = await self.learner.TrainStep(
+                    lp.TrainStepRequest(run_id=self.run_dir.name, step=self.version + 1, samples=samples),
+                    timeout=self.deadline,
+                )
+                self.version = resp.policy_version
+                m = resp.metrics
+                train_metrics = {
+                    "loss": m.loss,
+                    "kl": m.kl,
+                    "entropy": m.entropy,
+                    "clip_fraction": m.clip_fraction,
+                    "grad_norm": m.grad_norm,
+                    "lr": m.lr,
+                    "train_tokens": m.tokens,
+                }
+            t1 = time.monotonic()
+            sync = await self.push() if samples else 0.0
+            self.pos = Position(self.pos.step + 1, pos_after.epoch, pos_after.index)
+            if sched.max_staleness == 0 and not last:
+                batch, nxt = self.next_prompts(self.pos)
+                pending = asyncio.ensure_future(self.rollout(batch))
+            values = {
+                **self.reward_stats(ro),
+                **stats,
+                **train_metrics,
+                "policy_version": self.version,
+                "train_samples": len(samples),
+                "gen_tokens": ro.gen_tokens,
+                "gen_tokens_per_s": ro.gen_tokens / max(1e-9, ro.seconds["generate"]),
+                "time_generate": ro.seconds["generate"],
+                "time_score": ro.seconds["score"],
+                "time_train": t1 - t0,
+                "time_sync": sync,
+                "time_idle": idle,
+            }
+            if sched.eval_every and (self.pos.step % sched.eval_every == 0 or self.pos.step == sched.steps):
+                values["eval_accuracy"] = await self.evaluate()
+            self.record(values)
+            if sched.checkpoint_every and self.pos.step % sched.checkpoint_every == 0:
+                await self.checkpoint()
+        if not pending.done():
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        await self.checkpoint()

@@ -1,0 +1,251 @@
+"""Run one experiment end to end: prepare model and data, bring up (or reach) the services, drive
+the loop, and leave a run folder a person can read.
+
+The run folder holds ``config.yaml`` (resolved), ``launch.jsonl`` (every command started),
+``services/*.yaml`` (each service's section), ``logs/``, ``metrics.jsonl`` (one record per step),
+``checkpoints/`` and ``reward_curve.png``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from relayrl.common import config as cfg_mod
+from relayrl.coordinator.clients import GeneratorPool, RewardPool
+from relayrl.coordinator.config import ExperimentConfig
+from relayrl.coordinator.launcher import ServiceProcess
+from relayrl.coordinator.loop import Experiment, Position
+from relayrl.learner.v1 import learner_pb2 as lp
+from relayrl.learner.v1 import learner_pb2_grpc as lg
+
+logger = logging.getLogger(__name__)
+
+
+def prepare(cfg: ExperimentConfig) -> None:
+    """Build the tiny model and the task data when the config asks for them and they are missing."""
+    model = Path(cfg.model.path)
+    if not (model / "config.json").exists():
+        if cfg.model.tiny is None:
+            raise SystemExit(f"model folder {model} does not exist (set model.tiny to build a tiny one)")
+        from relayrl.common.modelkit.sft import warm_start
+        from relayrl.common.modelkit.tiny import update_card, write_tiny_model
+
+        t = cfg.model.tiny
+        print(f"building tiny model in {model} ...", flush=True)
+        write_tiny_model(model, seed=t.seed)
+        if t.task and t.sft_steps:
+            res = warm_start(model, t.task, t.sft_steps, seed=t.seed)
+            update_card(model, sft_task=t.task, sft_steps=t.sft_steps, sft_heldout_exact=res.heldout_exact)
+            print(f"warm-started on {t.task}: held-out greedy exact {res.heldout_exact:.2f}", flush=True)
+    spec = cfg.data.generate
+    for path, split, n in (
+        (cfg.data.train, "train", spec and spec.n_train),
+        (cfg.data.test, "test", spec and spec.n_test),
+    ):
+        if path and not Path(path).exists():
+            if spec is None:
+                raise SystemExit(f"data file {path} does not exist (set data.generate to build it)")
+            from relayrl.common.data.dataset import write_rows
+            from relayrl.common.data.tasks import generate
+
+            write_rows(generate(spec.task, n, seed=spec.seed, split=split), path)
+
+
+def new_run_dir(cfg: ExperimentConfig) -> Path:
+    run = Path(cfg.runs_dir) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    (run / "checkpoints").mkdir(parents=True, exist_ok=False)
+    (run / "config.yaml").write_text(cfg_mod.dump_yaml(cfg))
+    return run
+
+
+class Services:
+    """Addresses of the services, and the local processes when embedded."""
+
+    def __init__(self, cfg: ExperimentConfig, run_dir: Path):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.procs: list[ServiceProcess] = []
+        self.generators: dict[str, str] = {f"gen-{i}": a for i, a in enumerate(cfg.services.generators)}
+        self.rewards: dict[str, str] = {f"reward-{i}": a for i, a in enumerate(cfg.services.rewards)}
+        self.learner = cfg.services.learner or ""
+
+    def _start(self, name: str, service: str, section, extra: list[str]) -> ServiceProcess:
+        path = self.run_dir / "services" / f"{name}.yaml"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(cfg_mod.dump_yaml(section))
+        proc = ServiceProcess(
+            name, [service, "--config", str(path), "--port", "0", *extra], self.run_dir / "logs"
+        )
+        with open(self.run_dir / "launch.jsonl", "a") as f:
+            f.write(json.dumps({"name": name, "command": proc.command, "time": time.time()}) + "\n")
+        self.procs.append(proc)
+        return proc
+
+    def start_embedded(self, timeout: float = 600.0) -> None:
+        c = self.cfg
+        learner = self._start("learner", "learner", c.learner, [])
+        gens = [
+            self._start(f"gen-{i}", "generator", c.generator, ["--replica-id", f"gen-{i}"])
+            for i in range(c.services.generator_replicas)
+        ]
+        rewards = [
+            self._start(f"reward-{i}", "reward", c.reward, []) for i in range(c.services.reward_replicas)
+        ]
+        self.learner = learner.wait_ready(timeout)
+        self.generators = {p.name: p.wait_ready(timeout) for p in gens}
+        self.rewards = {p.name: p.wait_ready(timeout) for p in rewards}
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+
+
+def _progress(total: int, start: int):
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+
+        def show(rec: dict) -> None:
+            if "reward_mean" in rec:
+                bar.update(1)
+            post = {k: f"{rec[k]:.3f}" for k in ("reward_mean", "eval_accuracy", "kl") if k in rec}
+            bar.set_postfix(post)
+
+        return show, bar.close
+
+    def log_line(rec: dict) -> None:
+        parts = [f"step {rec['step']}/{total}"] + [
+            f"{k} {rec[k]:.3f}"
+            for k in (
+                "reward_mean",
+                "eval_accuracy",
+                "loss",
+                "kl",
+                "entropy",
+                "time_generate",
+                "time_train",
+                "time_sync",
+            )
+            if k in rec
+        ]
+        print("  ".join(parts), flush=True)
+
+    return log_line, lambda: None
+
+
+def plot(run_dir: Path, records: list[dict]) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r for r in records if "reward_mean" in r]
+    evals = [r for r in records if "eval_accuracy" in r]
+    if not steps and not evals:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in steps], [r["reward_mean"] for r in steps], label="train reward (mean)")
+    if evals:
+        ax.plot(
+            [r["step"] for r in evals],
+            [r["eval_accuracy"] for r in evals],
+            "o-",
+            label="held-out greedy accuracy",
+        )
+    ax.set_xlabel("step")
+    ax.set_ylim(-0.05, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(run_dir.name)
+    out = run_dir / "reward_curve.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def _load_records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    )
+
+
+async def drive(
+    cfg: ExperimentConfig, run_dir: Path, services: Services, resume: bool, on_record=None
+) -> Experiment:
+    """Run the loop against ``services``; returns the finished experiment."""
+    from relayrl.common.data.dataset import load_rows
+
+    train_rows = load_rows(cfg.data.train)
+    test_rows = load_rows(cfg.data.test) if cfg.data.test else []
+    channel = grpc.aio.insecure_channel(
+        services.learner, options=[("grpc.max_send_message_length", 256 << 20)]
+    )
+    learner = lg.LearnerServiceStub(channel)
+    deadline = cfg.services.deadline_seconds
+
+    def on_down(replica: str) -> None:  # a dead generator must not fail every later push
+        asyncio.ensure_future(
+            learner.UnregisterGenerator(lp.UnregisterGeneratorRequest(replica_id=replica), timeout=deadline)
+        )
+
+    gens = GeneratorPool(services.generators, deadline, on_down=on_down)
+    rewards = RewardPool(services.rewards, deadline)
+    exp = Experiment(cfg, run_dir, train_rows, test_rows, gens, rewards, learner, on_record)
+    for name, addr in services.generators.items():
+        await learner.RegisterGenerator(
+            lp.RegisterGeneratorRequest(address=addr, replica_id=name), timeout=deadline
+        )
+    if resume:
+        state = json.loads((run_dir / "checkpoints" / "coordinator.json").read_text())
+        loaded = await learner.LoadCheckpoint(
+            lp.LoadCheckpointRequest(path=str(run_dir / "checkpoints"), tag=state["tag"]), timeout=deadline
+        )
+        exp.pos = Position(**json.loads(loaded.client_state_json))
+        exp.version = loaded.policy_version
+        exp.records = _load_records(run_dir)
+        if exp.version:
+            await exp.push()  # fresh generators hold the initial weights
+        print(f"resumed {run_dir.name} at step {exp.pos.step} (policy version {exp.version})", flush=True)
+    try:
+        await exp.run()
+    finally:
+        await gens.close()
+        await rewards.close()
+        await channel.close()
+    return exp
+
+
+def run(cfg: ExperimentConfig, resume_dir: Path | None = None) -> Path:
+    """``relayrl run``: returns the run folder. Raises on failure (after stopping services)."""
+    if resume_dir is None:
+        prepare(cfg)
+        run_dir = new_run_dir(cfg)
+    else:
+        run_dir = resume_dir
+    print(f"run folder: {run_dir}", flush=True)
+    services = Services(cfg, run_dir)
+    show, close = _progress(cfg.schedule.steps, 0)
+    try:
+        if cfg.services.embedded:
+            print("starting learner, generator and reward services ...", flush=True)
+            services.start_embedded()
+        exp = asyncio.run(drive(cfg, run_dir, services, resume_dir is not None, on_record=show))
+    finally:
+        close()
+        services.stop()
+    png = plot(run_dir, exp.records)
+    evals = [r["eval_accuracy"] for r in exp.records if "eval_accuracy" in r]
+    if evals:
+        print(f"held-out greedy accuracy: {evals[0]:.3f} -> {evals[-1]:.3f}", flush=True)
+    if png:
+        print(f"reward curve: {png}", flush=True)
+    return run_dir

@@ -71,22 +71,48 @@ class ServiceProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def _tree(self) -> list:
+        """This process and all its descendants. torchrun starts its workers in sessions of
+        their own, so a process-group signal would miss them."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
     def kill(self) -> None:
-        """Hard kill (fault injection in tests)."""
-        if self.alive():
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        """Hard kill of the whole tree (fault injection: a crashed node)."""
+        for p in self._tree():
+            try:
+                p.kill()
+            except Exception:  # already gone
+                pass
+        self.proc.wait()
 
     def stop(self, grace: float = 60.0) -> int | None:
-        """SIGTERM the process group, wait ``grace`` seconds, then SIGKILL it."""
+        """SIGTERM the process group (torchrun forwards it to its workers), wait ``grace``
+        seconds, then SIGKILL whatever is left of the tree."""
         if self.alive():
+            tree = self._tree()
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
                 self.proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+                pass
             except ProcessLookupError:
                 pass
+            for p in tree:
+                try:
+                    p.wait(timeout=max(1.0, grace / 4))
+                except Exception:
+                    try:
+                        p.kill()
+                    except Exception:
+                        pass
+            if self.alive():
+                self.proc.kill()
+                self.proc.wait()
         self._log.close()
         return self.proc.returncode

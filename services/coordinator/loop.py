@@ -226,10 +226,15 @@ class Experiment:
             hits += r.status == rw.SCORE_STATUS_OK and correct >= 1.0
         return hits / len(ro.groups)
 
-    async def push(self) -> float:
+    async def push(self) -> tuple[float, int]:
+        """New weights to every generator; the learner checks each bucket's checksum on every
+        replica (DATA_LOSS otherwise), so a replica listed here holds exactly the learner's
+        weights. Returns seconds and the number of replicas updated."""
         t0 = time.monotonic()
-        await self.learner.PushWeights(lp.PushWeightsRequest(version=self.version), timeout=self.deadline)
-        return time.monotonic() - t0
+        resp = await self.learner.PushWeights(
+            lp.PushWeightsRequest(version=self.version), timeout=self.deadline
+        )
+        return time.monotonic() - t0, len(resp.replica_ids)
 
     async def checkpoint(self) -> None:
         tag = f"step{self.pos.step}"
@@ -288,7 +293,7 @@ class Experiment:
                     "train_tokens": m.tokens,
                 }
             t1 = time.monotonic()
-            sync = await self.push() if samples else 0.0
+            sync, synced = await self.push() if samples else (0.0, 0)
             self.pos = Position(self.pos.step + 1, pos_after.epoch, pos_after.index)
             if sched.max_staleness == 0 and not last:
                 batch, nxt = self.next_prompts(self.pos)
@@ -299,6 +304,9 @@ class Experiment:
                 **train_metrics,
                 "policy_version": self.version,
                 "train_samples": len(samples),
+                "groups": len(ro.groups),
+                "synced_replicas": synced,
+                "healthy_generators": len(self.gen.healthy()),
                 "gen_tokens": ro.gen_tokens,
                 "gen_tokens_per_s": ro.gen_tokens / max(1e-9, ro.seconds["generate"]),
                 "time_generate": ro.seconds["generate"],

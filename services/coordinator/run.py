@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 from relayrl.common import config as cfg_mod
-from relayrl.coordinator.clients import GeneratorPool, RewardPool
+from relayrl.coordinator.clients import GeneratorPool, NoReplicaLeft, RewardPool
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.launcher import ServiceProcess
 from relayrl.coordinator.loop import Experiment, Position
@@ -239,6 +239,11 @@ def run(cfg: ExperimentConfig, resume_dir: Path | None = None) -> Path:
             print("starting learner, generator and reward services ...", flush=True)
             services.start_embedded()
         exp = asyncio.run(drive(cfg, run_dir, services, resume_dir is not None, on_record=show))
+    except (grpc.aio.AioRpcError, NoReplicaLeft) as e:
+        why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
+        ckpt = run_dir / "checkpoints" / "coordinator.json"
+        hint = f"; resume with: relayrl run --resume {run_dir}" if ckpt.exists() else ""
+        raise SystemExit(f"relayrl run: stopped: {why}{hint}") from None
     finally:
         close()
         services.stop()

@@ -1,0 +1,176 @@
+"""The whole system on the embedded default: four real services, real learning, resume, faults."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import grpc
+import pytest
+
+pytestmark = pytest.mark.slow
+
+EXPERIMENT = """
+name: e2e
+seed: 0
+runs_dir: runs
+model:
+  path: {model}
+  tiny: {{task: reverse, sft_steps: 50, seed: 0}}
+data:
+  train: {data}/train.parquet
+  test: {data}/test.parquet
+  generate: {{task: reverse, n_train: 2000, n_test: 128, seed: 0}}
+sampling: {{n: 8, temperature: 1.0, max_tokens: 24}}
+schedule: {{steps: 20, prompts_per_step: 16, max_staleness: 1, eval_every: 10, checkpoint_every: 10}}
+services: {{deadline_seconds: 120}}
+learner: {{world_size: 2, optim: {{lr: 2.0e-4}}}}
+generator: {{engine: {{dtype: float32, max_model_len: 512, kv_cache_gib: 0.25}}}}
+reward: {{workers: 1}}
+"""
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A warm-started tiny model and the reverse data, built once by ``prepare``."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("deepspeed")
+    from relayrl.coordinator.config import load_experiment
+    from relayrl.coordinator.run import prepare
+
+    root = tmp_path_factory.mktemp("e2e")
+    exp = root / "exp.yaml"
+    exp.write_text(textwrap.dedent(EXPERIMENT.format(model=root / "model", data=root / "data")))
+    prepare(load_experiment(exp))
+    return root, exp
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _relayrl(*args: str, cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_grpo_raises_heldout_accuracy_then_resumes(workspace):
+    root, exp = workspace
+    res = _relayrl("run", str(exp), cwd=root)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    run_dir = next((root / "runs").glob("e2e-*"))
+    recs = _records(run_dir)
+    evals = [r["eval_accuracy"] for r in recs if "eval_accuracy" in r]
+    steps = [r for r in recs if "reward_mean" in r]
+    assert len(evals) == 3 and len(steps) == 20
+    assert evals[-1] >= evals[0] + 0.10, f"held-out accuracy did not rise clearly: {evals}"
+    for r in steps:
+        assert r["groups"] == 16  # no prompt lost
+        if r["train_samples"]:  # every sync reached every generator with verified checksums
+            assert r["synced_replicas"] == r["healthy_generators"] == 1
+    assert [r["policy_version"] for r in steps] == sorted(r["policy_version"] for r in steps)
+    assert all(r["staleness_max"] <= 1 for r in steps)
+    for name in ("config.yaml", "launch.jsonl", "reward_curve.png", "checkpoints/coordinator.json"):
+        assert (run_dir / name).exists(), name
+    launched = [json.loads(line)["name"] for line in (run_dir / "launch.jsonl").read_text().splitlines()]
+    assert sorted(launched) == ["gen-0", "learner", "reward-0"]
+    assert "held-out greedy accuracy" in res.stdout
+
+    version = steps[-1]["policy_version"]
+    res = _relayrl("run", "--resume", str(run_dir), "--set", "schedule.steps=22", cwd=root)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"resumed {run_dir.name} at step 20" in res.stdout
+    steps = [r for r in _records(run_dir) if "reward_mean" in r]
+    assert [r["step"] for r in steps] == list(range(1, 23))
+    assert steps[-1]["policy_version"] > version
+
+
+def _programmatic(root: Path, exp: Path, overrides: list[str], on_record):
+    """Run the coordinator in this process against embedded services the test can kill."""
+    from relayrl.coordinator.config import load_experiment
+    from relayrl.coordinator.run import Services, drive, new_run_dir
+
+    cfg = load_experiment(exp, overrides)
+    run_dir = new_run_dir(cfg)
+    services = Services(cfg, run_dir)
+    services.start_embedded()
+    return (
+        cfg,
+        run_dir,
+        services,
+        lambda: asyncio.run(drive(cfg, run_dir, services, False, on_record=on_record(services))),
+    )
+
+
+def test_a_killed_generator_replica_loses_no_prompt(workspace):
+    root, exp = workspace
+    killed = {}
+
+    def on_record(services):
+        def f(rec):
+            if rec.get("step") == 2 and "reward_mean" in rec and not killed:
+                proc = next(p for p in services.procs if p.name == "gen-1")
+                proc.kill()
+                killed["at"] = 2
+
+        return f
+
+    cfg, run_dir, services, go = _programmatic(
+        root,
+        exp,
+        [
+            "schedule.steps=6",
+            "schedule.eval_every=0",
+            "services.generator_replicas=2",
+            "learner.world_size=1",
+            "name=fault-gen",
+        ],
+        on_record,
+    )
+    try:
+        exp_done = go()
+    finally:
+        services.stop()
+    steps = [r for r in exp_done.records if "reward_mean" in r]
+    assert killed and len(steps) == 6
+    assert all(r["groups"] == 16 for r in steps)  # every prompt of every step scored exactly once
+    assert steps[0]["healthy_generators"] == 2 and steps[-1]["healthy_generators"] == 1
+    assert all(r["synced_replicas"] == r["healthy_generators"] for r in steps if r["train_samples"])
+
+
+def test_a_learner_crash_stops_the_run_with_a_resumable_checkpoint(workspace):
+    root, exp = workspace
+
+    def on_record(services):
+        def f(rec):
+            if rec.get("step") == 3 and "reward_mean" in rec:
+                next(p for p in services.procs if p.name == "learner").kill()
+
+        return f
+
+    cfg, run_dir, services, go = _programmatic(
+        root,
+        exp,
+        [
+            "schedule.steps=8",
+            "schedule.eval_every=0",
+            "schedule.checkpoint_every=2",
+            "learner.world_size=1",
+            "services.deadline_seconds=30",
+            "name=fault-learner",
+        ],
+        on_record,
+    )
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            go()
+    finally:
+        services.stop()
+    assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    state = json.loads((run_dir / "checkpoints" / "coordinator.json").read_text())
+    assert state["tag"] == "step2" and (run_dir / "checkpoints" / "step2").is_dir()

@@ -33,6 +33,12 @@ class InvalidRequest(ServiceError, ValueError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class NotFound(ServiceError):
+    """The named thing (experiment, checkpoint) does not exist."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
 class FailedPrecondition(ServiceError):
     """The request is well-formed but the service's state does not allow it (version, step)."""
 

@@ -45,6 +45,7 @@ SERVICES: dict[str, dict[str, tuple[str, type, str]]] = {
             "the data sources it scores",
         ),
     },
+    "coordinator": {},
 }
 # Launcher flags of the learner (torchrun rendezvous), not config fields.
 _LAUNCH = {
@@ -64,6 +65,10 @@ def _config_class(service: str):
         from relayrl.learner.config import LearnerConfig
 
         return LearnerConfig
+    if service == "coordinator":
+        from relayrl.coordinator.config import CoordinatorServeConfig
+
+        return CoordinatorServeConfig
     if service == "reward":
         from relayrl.reward.config import RewardConfig
 
@@ -115,6 +120,10 @@ def run(args: argparse.Namespace) -> int:
         return launch_learner(config, args)
     elif args.service == "reward":
         from relayrl.reward.server import run as serve
+
+        asyncio.run(serve(config, args.port_file))
+    elif args.service == "coordinator":
+        from relayrl.coordinator.server import run as serve
 
         asyncio.run(serve(config, args.port_file))
     return 0

@@ -34,3 +34,99 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_experiment(args.experiment, args.set)
     run_experiment(cfg)
     return 0
+
+
+def _client_parser(sub, name: str, helptext: str, run_id: str | None) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=helptext)
+    if run_id == "required":
+        p.add_argument("run_id", help="the run's id (its folder name)")
+    elif run_id == "optional":
+        p.add_argument("run_id", nargs="?", help="the run's id (default: every run)")
+    p.add_argument(
+        "--coordinator", help="host:port (default: $RELAYRL_COORDINATOR, else <runs-dir>/coordinator.addr)"
+    )
+    p.add_argument("--runs-dir", default="runs", help="where `relayrl run` records its coordinator address")
+    p.add_argument("--timeout", type=float, default=10.0, help="deadline of the call in seconds")
+    return p
+
+
+def add_client_parsers(subparsers: argparse._SubParsersAction) -> None:
+    _client_parser(
+        subparsers, "status", "status of a run (or of all runs) on a coordinator", "optional"
+    ).set_defaults(func=status)
+    _client_parser(subparsers, "list", "runs known to a coordinator", None).set_defaults(func=status)
+    _client_parser(
+        subparsers, "stop", "stop a run after its current step (it checkpoints first)", "required"
+    ).set_defaults(func=stop)
+
+
+def _stub(args: argparse.Namespace):
+    import os
+
+    import grpc
+    from relayrl.coordinator.v1 import coordinator_pb2_grpc as cpg
+
+    addr = args.coordinator or os.environ.get("RELAYRL_COORDINATOR")
+    if not addr:
+        f = Path(args.runs_dir) / "coordinator.addr"
+        if not f.exists():
+            raise SystemExit(
+                f"relayrl {args.command}: no coordinator address (--coordinator, $RELAYRL_COORDINATOR "
+                f"or {f}); is a run going?"
+            )
+        addr = f.read_text().strip()
+    return cpg.CoordinatorServiceStub(grpc.insecure_channel(addr)), addr
+
+
+def _show(exps) -> None:
+    from relayrl.coordinator.v1 import coordinator_pb2 as cp
+
+    for e in exps:
+        state = cp.ExperimentState.Name(e.state).removeprefix("EXPERIMENT_STATE_").lower()
+        m = e.last_metrics
+        extra = "  ".join(f"{k} {m[k]:.3f}" for k in ("reward_mean", "eval_accuracy", "kl") if k in m)
+        print(
+            f"{e.run_id}  {state}  step {e.step}/{e.total_steps}  version {e.policy_version}  {extra}  {e.run_dir}"
+        )
+        if e.message:
+            print(f"  {e.message}")
+
+
+def _call(args, fn):
+    import grpc
+
+    stub, addr = _stub(args)
+    try:
+        return fn(stub)
+    except grpc.RpcError as e:
+        raise SystemExit(f"relayrl {args.command}: {addr}: {e.code().name}: {e.details()}") from None
+
+
+def status(args: argparse.Namespace) -> int:
+    from relayrl.coordinator.v1 import coordinator_pb2 as cp
+
+    if getattr(args, "run_id", None):
+        resp = _call(
+            args,
+            lambda s: s.GetExperimentStatus(
+                cp.GetExperimentStatusRequest(run_id=args.run_id), timeout=args.timeout
+            ),
+        )
+        _show([resp.experiment])
+    else:
+        resp = _call(args, lambda s: s.ListExperiments(cp.ListExperimentsRequest(), timeout=args.timeout))
+        _show(resp.experiments)
+    return 0
+
+
+def stop(args: argparse.Namespace) -> int:
+    from relayrl.coordinator.v1 import coordinator_pb2 as cp
+
+    resp = _call(
+        args,
+        lambda s: s.StopExperiment(
+            cp.StopExperimentRequest(run_id=args.run_id, checkpoint=True), timeout=args.timeout
+        ),
+    )
+    _show([resp.experiment])
+    return 0

@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from relayrl.common import config as cfg
 from relayrl.common.config import StrictModel
+from relayrl.common.serving import ServeConfig
 from relayrl.generator.config import GeneratorConfig
 from relayrl.learner.config import LearnerConfig
 from relayrl.reward.config import RewardConfig
@@ -124,6 +125,8 @@ class ServicesSection(StrictModel):
     """Embedded default only: reward processes to start."""
     deadline_seconds: float = Field(600.0, gt=0)
     """Default deadline of every call to a service."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Prometheus port of the coordinator (per-step run metrics); None turns it off."""
 
     @property
     def embedded(self) -> bool:
@@ -166,10 +169,17 @@ class ExperimentConfig(StrictModel):
     """Reward section."""
 
 
-def load_experiment(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
-    """Load an experiment file; relative paths in it resolve against the file's folder."""
-    exp = cfg.load(ExperimentConfig, path, overrides)
-    base = Path(path).resolve().parent
+class CoordinatorServeConfig(StrictModel):
+    """``relayrl serve coordinator``: a standing coordinator that runs experiments on request."""
+
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+    """Where the coordinator listens."""
+
+
+def resolve_paths(exp: ExperimentConfig, base: Path | None) -> ExperimentConfig:
+    """Make paths absolute (relative ones against ``base``, or the working folder) and fill the
+    service sections from the experiment's own fields."""
+    base = base or Path.cwd()
 
     def rel(p: str) -> str:
         return str(p if Path(p).is_absolute() else (base / p).resolve())
@@ -192,3 +202,8 @@ def load_experiment(path: str | Path, overrides: list[str] | tuple[str, ...] = (
     if exp.learner.loss.max_tokens_normaliser is None:
         exp.learner.loss.max_tokens_normaliser = exp.sampling.max_tokens
     return exp
+
+
+def load_experiment(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
+    """Load an experiment file; relative paths in it resolve against the file's folder."""
+    return resolve_paths(cfg.load(ExperimentConfig, path, overrides), Path(path).resolve().parent)

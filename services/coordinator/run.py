@@ -17,10 +17,11 @@ from pathlib import Path
 
 import grpc
 from relayrl.common import config as cfg_mod
-from relayrl.coordinator.clients import GeneratorPool, NoReplicaLeft, RewardPool
+from relayrl.coordinator.clients import GeneratorPool, RewardPool
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.launcher import ServiceProcess
 from relayrl.coordinator.loop import Experiment, Position
+from relayrl.coordinator.registry import FAILED, Handle, Registry
 from relayrl.learner.v1 import learner_pb2 as lp
 from relayrl.learner.v1 import learner_pb2_grpc as lg
 
@@ -179,7 +180,12 @@ def _load_records(run_dir: Path) -> list[dict]:
 
 
 async def drive(
-    cfg: ExperimentConfig, run_dir: Path, services: Services, resume: bool, on_record=None
+    cfg: ExperimentConfig,
+    run_dir: Path,
+    services: Services,
+    resume: bool,
+    on_record=None,
+    stop: asyncio.Event | None = None,
 ) -> Experiment:
     """Run the loop against ``services``; returns the finished experiment."""
     from relayrl.common.data.dataset import load_rows
@@ -200,6 +206,8 @@ async def drive(
     gens = GeneratorPool(services.generators, deadline, on_down=on_down)
     rewards = RewardPool(services.rewards, deadline)
     exp = Experiment(cfg, run_dir, train_rows, test_rows, gens, rewards, learner, on_record)
+    if stop is not None:
+        exp.stop_requested = stop
     for name, addr in services.generators.items():
         await learner.RegisterGenerator(
             lp.RegisterGeneratorRequest(address=addr, replica_id=name), timeout=deadline
@@ -224,33 +232,51 @@ async def drive(
     return exp
 
 
-def run(cfg: ExperimentConfig, resume_dir: Path | None = None) -> Path:
-    """``relayrl run``: returns the run folder. Raises on failure (after stopping services)."""
-    if resume_dir is None:
-        prepare(cfg)
-        run_dir = new_run_dir(cfg)
-    else:
-        run_dir = resume_dir
-    print(f"run folder: {run_dir}", flush=True)
-    services = Services(cfg, run_dir)
-    show, close = _progress(cfg.schedule.steps, 0)
+def coordinator_address_file(cfg: ExperimentConfig) -> Path:
+    return Path(cfg.runs_dir) / "coordinator.addr"
+
+
+async def _run_and_serve(cfg: ExperimentConfig, resume_dir: Path | None, show) -> Handle:
+    """Serve CoordinatorService (for ``relayrl status/stop/list``) while the experiment runs."""
+    from relayrl.common.grpc_server import start_metrics_server
+    from relayrl.coordinator.server import build
+
+    registry = Registry()
+    handle_srv = build(registry, host="127.0.0.1", port=0)
+    await handle_srv.server.start()
+    start_metrics_server(cfg.services.metrics_port)
+    addr_file = coordinator_address_file(cfg)
+    addr_file.parent.mkdir(parents=True, exist_ok=True)
+    addr_file.write_text(f"127.0.0.1:{handle_srv.port}\n")
     try:
+        h = registry.start(cfg, resume_dir, on_record=show)
+        print(
+            f"run folder: {h.run_dir}  (coordinator on 127.0.0.1:{handle_srv.port}: relayrl status {h.run_id})",
+            flush=True,
+        )
         if cfg.services.embedded:
             print("starting learner, generator and reward services ...", flush=True)
-            services.start_embedded()
-        exp = asyncio.run(drive(cfg, run_dir, services, resume_dir is not None, on_record=show))
-    except (grpc.aio.AioRpcError, NoReplicaLeft) as e:
-        why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
-        ckpt = run_dir / "checkpoints" / "coordinator.json"
-        hint = f"; resume with: relayrl run --resume {run_dir}" if ckpt.exists() else ""
-        raise SystemExit(f"relayrl run: stopped: {why}{hint}") from None
+        await h.task
+        return h
+    finally:
+        await handle_srv.stop(1.0)
+        if addr_file.read_text().strip() == f"127.0.0.1:{handle_srv.port}":
+            addr_file.unlink(missing_ok=True)
+
+
+def run(cfg: ExperimentConfig, resume_dir: Path | None = None) -> Path:
+    """``relayrl run``: returns the run folder; exits non-zero with the reason if the run failed."""
+    show, close = _progress(cfg.schedule.steps, 0)
+    try:
+        h = asyncio.run(_run_and_serve(cfg, resume_dir, show))
     finally:
         close()
-        services.stop()
-    png = plot(run_dir, exp.records)
-    evals = [r["eval_accuracy"] for r in exp.records if "eval_accuracy" in r]
+    evals = [r["eval_accuracy"] for r in h.records if "eval_accuracy" in r]
+    if h.state == FAILED:
+        raise SystemExit(f"relayrl run: {h.run_id} failed: {h.message}")
     if evals:
         print(f"held-out greedy accuracy: {evals[0]:.3f} -> {evals[-1]:.3f}", flush=True)
-    if png:
-        print(f"reward curve: {png}", flush=True)
-    return run_dir
+    if (h.run_dir / "reward_curve.png").exists():
+        print(f"reward curve: {h.run_dir / 'reward_curve.png'}", flush=True)
+    print(f"{h.run_id}: {h.state} at step {h.step}", flush=True)
+    return h.run_dir

@@ -174,3 +174,54 @@ def test_a_learner_crash_stops_the_run_with_a_resumable_checkpoint(workspace):
     assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     state = json.loads((run_dir / "checkpoints" / "coordinator.json").read_text())
     assert state["tag"] == "step2" and (run_dir / "checkpoints" / "step2").is_dir()
+
+
+def test_status_and_stop_talk_to_the_running_coordinator(workspace):
+    import time
+
+    root, exp = workspace
+    log = open(root / "stop-run.log", "w")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "relayrl.cli",
+            "run",
+            str(exp),
+            "--set",
+            "name=stoppable",
+            "--set",
+            "schedule.steps=200",
+            "--set",
+            "schedule.eval_every=0",
+            "--set",
+            "learner.world_size=1",
+        ],
+        cwd=root,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        out = ""
+        while time.monotonic() < deadline and "step 2/" not in out and "step 3/" not in out:
+            time.sleep(1)
+            res = _relayrl("status", cwd=root, timeout=30)
+            out = res.stdout
+            assert proc.poll() is None, (root / "stop-run.log").read_text()[-3000:]
+        assert "stoppable-" in out and "running" in out, out
+        run_id = out.split()[0]
+        listed = _relayrl("list", cwd=root, timeout=30)
+        assert run_id in listed.stdout
+        stopped = _relayrl("stop", run_id, cwd=root, timeout=30)
+        assert stopped.returncode == 0 and "stopping" in stopped.stdout
+        assert proc.wait(timeout=300) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    text = (root / "stop-run.log").read_text()
+    assert f"{run_id}: stopped at step" in text
+    assert (root / "runs" / run_id / "checkpoints" / "coordinator.json").exists()
+    missing = _relayrl("status", "nope", cwd=root, timeout=30)
+    assert missing.returncode != 0  # the coordinator left with its run: no address any more

@@ -1,0 +1,129 @@
+"""Experiments a coordinator runs: their lifecycle (pending -> running -> completed / failed /
+stopped), their metrics, and the task that drives each one.
+
+``relayrl run`` puts one experiment in a registry and serves the registry over
+``CoordinatorService`` while it runs, so ``relayrl status`` / ``stop`` / ``list`` work against it;
+``relayrl serve coordinator`` serves an empty registry that ``StartExperiment`` fills.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from relayrl.coordinator import metrics
+from relayrl.coordinator.clients import NoReplicaLeft
+from relayrl.coordinator.config import ExperimentConfig
+
+logger = logging.getLogger(__name__)
+
+PENDING, RUNNING, STOPPING, COMPLETED, FAILED, STOPPED = (
+    "pending",
+    "running",
+    "stopping",
+    "completed",
+    "failed",
+    "stopped",
+)
+
+
+@dataclass
+class Handle:
+    run_id: str
+    cfg: ExperimentConfig
+    run_dir: Path
+    state: str = PENDING
+    message: str = ""
+    started_at: float = field(default_factory=time.time)
+    records: list[dict] = field(default_factory=list)
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task | None = None
+    step: int = 0
+    version: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.state in (COMPLETED, FAILED, STOPPED)
+
+    async def notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+
+class Registry:
+    def __init__(self) -> None:
+        self.experiments: dict[str, Handle] = {}
+
+    def get(self, run_id: str) -> Handle | None:
+        return self.experiments.get(run_id)
+
+    def start(
+        self,
+        cfg: ExperimentConfig,
+        resume_dir: Path | None = None,
+        on_record: Callable[[dict], None] | None = None,
+    ) -> Handle:
+        """Create the run folder (or reuse ``resume_dir``) and start driving the experiment."""
+        from relayrl.coordinator.run import new_run_dir
+
+        run_dir = resume_dir if resume_dir is not None else new_run_dir(cfg)
+        handle = Handle(run_id=run_dir.name, cfg=cfg, run_dir=run_dir)
+        if handle.run_id in self.experiments and not self.experiments[handle.run_id].finished:
+            raise ValueError(f"experiment {handle.run_id} is already running")
+        self.experiments[handle.run_id] = handle
+        handle.task = asyncio.ensure_future(self._execute(handle, resume_dir is not None, on_record))
+        return handle
+
+    async def _execute(self, h: Handle, resume: bool, on_record) -> None:
+        from relayrl.coordinator.run import Services, drive, plot, prepare
+
+        services = Services(h.cfg, h.run_dir)
+
+        def record(rec: dict) -> None:
+            metrics.observe(h.run_id, rec)
+            h.records.append(rec)
+            h.step = rec.get("step", h.step)
+            h.version = int(rec.get("policy_version", h.version))
+            if on_record:
+                on_record(rec)
+            asyncio.ensure_future(h.notify())
+
+        try:
+            if not resume:
+                await asyncio.to_thread(prepare, h.cfg)  # tiny model / data when missing
+            if h.cfg.services.embedded:
+                await asyncio.to_thread(services.start_embedded)
+            h.state = RUNNING
+            await h.notify()
+            exp = await drive(h.cfg, h.run_dir, services, resume, on_record=record, stop=h.stop)
+            h.records = exp.records
+            h.state = STOPPED if h.stop.is_set() and exp.pos.step < h.cfg.schedule.steps else COMPLETED
+        except (grpc.aio.AioRpcError, NoReplicaLeft) as e:
+            why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            resumable = (h.run_dir / "checkpoints" / "coordinator.json").exists()
+            h.message = why + (f"; resume with: relayrl run --resume {h.run_dir}" if resumable else "")
+            h.state = FAILED
+        except Exception as e:
+            logger.exception("experiment %s failed", h.run_id)
+            h.message = f"{type(e).__name__}: {e}"
+            h.state = FAILED
+        finally:
+            await asyncio.to_thread(services.stop)
+            try:
+                plot(h.run_dir, h.records)
+            except Exception:
+                logger.warning("reward curve not written", exc_info=True)
+            await h.notify()
+
+    def request_stop(self, run_id: str) -> Handle | None:
+        h = self.experiments.get(run_id)
+        if h is not None and not h.finished:
+            h.state = STOPPING
+            h.stop.set()
+        return h

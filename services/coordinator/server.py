@@ -1,0 +1,42 @@
+"""The coordinator's gRPC server (``relayrl serve coordinator``, and inside ``relayrl run``)."""
+
+from __future__ import annotations
+
+from relayrl.common.grpc_server import ServerHandle, create_server, serve_forever, start, start_metrics_server
+from relayrl.coordinator.registry import Registry
+from relayrl.coordinator.servicer import CoordinatorServicer
+from relayrl.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name
+
+
+def build(registry: Registry, host: str = "127.0.0.1", port: int = 0) -> ServerHandle:
+    servicer = CoordinatorServicer(registry)
+    return create_server(
+        lambda s: coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, s),
+        SERVICE,
+        host=host,
+        port=port,
+    )
+
+
+async def run(config, port_file: str | None = None) -> None:
+    """Serve an empty registry until SIGTERM; experiments arrive by StartExperiment."""
+    registry = Registry()
+    handle = build(registry, config.serve.host, config.serve.port)
+    await start(handle, ready=True)
+    start_metrics_server(config.serve.metrics_port, config.serve.host)
+    if port_file:
+        with open(port_file, "w") as f:
+            f.write(f"{handle.port}\n")
+    print(f"relayrl coordinator ready on {config.serve.host}:{handle.port}", flush=True)
+
+    async def stop_experiments() -> None:
+        for run_id in list(registry.experiments):
+            registry.request_stop(run_id)
+        for h in registry.experiments.values():
+            if h.task is not None:
+                await h.task
+
+    handle.on_shutdown.append(stop_experiments)
+    await serve_forever(handle, config.serve.grace_seconds)

@@ -123,6 +123,11 @@ class ServicesSection(StrictModel):
     """Embedded default only: generator processes to start."""
     reward_replicas: int = Field(1, ge=1, le=64)
     """Embedded default only: reward processes to start."""
+    generator_devices: list[str] = Field(default_factory=list)
+    """Embedded default on GPUs: CUDA_VISIBLE_DEVICES of each generator replica (e.g. ["0", "1"]),
+    so generation and training get their own GPUs; empty inherits the environment."""
+    learner_devices: str = ""
+    """Embedded default on GPUs: CUDA_VISIBLE_DEVICES of the learner (e.g. "2,3"); empty inherits."""
     deadline_seconds: float = Field(600.0, gt=0)
     """Default deadline of every call to a service."""
     metrics_port: int | None = Field(None, ge=0, le=65535)

@@ -76,23 +76,25 @@ class Services:
         self.rewards: dict[str, str] = {f"reward-{i}": a for i, a in enumerate(cfg.services.rewards)}
         self.learner = cfg.services.learner or ""
 
-    def _start(self, name: str, service: str, section, extra: list[str]) -> ServiceProcess:
+    def _start(self, name: str, service: str, section, extra: list[str], devices: str = "") -> ServiceProcess:
         path = self.run_dir / "services" / f"{name}.yaml"
         path.parent.mkdir(exist_ok=True)
         path.write_text(cfg_mod.dump_yaml(section))
+        env = {"CUDA_VISIBLE_DEVICES": devices} if devices else {}
         proc = ServiceProcess(
-            name, [service, "--config", str(path), "--port", "0", *extra], self.run_dir / "logs"
+            name, [service, "--config", str(path), "--port", "0", *extra], self.run_dir / "logs", env=env
         )
         with open(self.run_dir / "launch.jsonl", "a") as f:
-            f.write(json.dumps({"name": name, "command": proc.command, "time": time.time()}) + "\n")
+            f.write(json.dumps({"name": name, "command": proc.command, "env": env, "time": time.time()}) + "\n")
         self.procs.append(proc)
         return proc
 
     def start_embedded(self, timeout: float = 600.0) -> None:
         c = self.cfg
-        learner = self._start("learner", "learner", c.learner, [])
+        dev = c.services.generator_devices
+        learner = self._start("learner", "learner", c.learner, [], c.services.learner_devices)
         gens = [
-            self._start(f"gen-{i}", "generator", c.generator, ["--replica-id", f"gen-{i}"])
+            self._start(f"gen-{i}", "generator", c.generator, ["--replica-id", f"gen-{i}"], dev[i] if i < len(dev) else "")
             for i in range(c.services.generator_replicas)
         ]
         rewards = [

@@ -85,7 +85,9 @@ class Services:
             name, [service, "--config", str(path), "--port", "0", *extra], self.run_dir / "logs", env=env
         )
         with open(self.run_dir / "launch.jsonl", "a") as f:
-            f.write(json.dumps({"name": name, "command": proc.command, "env": env, "time": time.time()}) + "\n")
+            f.write(
+                json.dumps({"name": name, "command": proc.command, "env": env, "time": time.time()}) + "\n"
+            )
         self.procs.append(proc)
         return proc
 
@@ -94,7 +96,13 @@ class Services:
         dev = c.services.generator_devices
         learner = self._start("learner", "learner", c.learner, [], c.services.learner_devices)
         gens = [
-            self._start(f"gen-{i}", "generator", c.generator, ["--replica-id", f"gen-{i}"], dev[i] if i < len(dev) else "")
+            self._start(
+                f"gen-{i}",
+                "generator",
+                c.generator,
+                ["--replica-id", f"gen-{i}"],
+                dev[i] if i < len(dev) else "",
+            )
             for i in range(c.services.generator_replicas)
         ]
         rewards = [

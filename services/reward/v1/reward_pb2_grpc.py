@@ -52,10 +52,11 @@ class RewardServiceServicer:
     """
 
     def Score(self, request, context):
-        """Coordinator -> reward: score a batch of completions. A sample whose scorer fails or times
-        out gets a result with status ERROR or TIMEOUT; the call itself fails only for a bad
-        request (INVALID_ARGUMENT, e.g. an unknown data_source) or an overloaded replica
-        (RESOURCE_EXHAUSTED).
+        """Coordinator -> reward: score a batch of completions. A sample whose scorer fails, times
+        out, or whose data_source no scorer serves gets a result with status ERROR or TIMEOUT and
+        the rest of the batch is scored; the call itself fails only for a malformed request
+        (INVALID_ARGUMENT: no items, an item without data_source, extra_info_json that is not a
+        JSON object, fields from a newer contract).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,55 @@
+"""Build and run a reward replica: scoring pool + RewardService + health + metrics."""
+
+from __future__ import annotations
+
+import logging
+
+from relayrl.common.grpc_server import ServerHandle, create_server, serve_forever, start, start_metrics_server
+from relayrl.reward.config import RewardConfig
+from relayrl.reward.pool import PluginError, ScoringPool
+from relayrl.reward.servicer import RewardServicer
+from relayrl.reward.v1 import reward_pb2, reward_pb2_grpc
+
+logger = logging.getLogger(__name__)
+SERVICE = reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name
+
+
+def build(pool: ScoringPool, config: RewardConfig) -> ServerHandle:
+    """The server around ``pool`` (bound, not started); shutting it down closes the pool."""
+    servicer = RewardServicer(pool, config.timeout_seconds)
+    handle = create_server(
+        lambda s: reward_pb2_grpc.add_RewardServiceServicer_to_server(servicer, s),
+        SERVICE,
+        host=config.serve.host,
+        port=config.serve.port,
+        max_message_mb=config.serve.max_message_mb,
+    )
+    handle.on_shutdown.append(pool.close)
+    return handle
+
+
+async def run(config: RewardConfig, port_file: str | None = None) -> None:
+    """Start the workers, serve until SIGTERM, drain, stop the workers."""
+    pool = ScoringPool(config.workers, config.plugins)
+    handle = build(pool, config)  # bind first: a port clash fails before the workers start
+    await start(handle, ready=False)  # live at once, ready once the workers are up
+    try:
+        await pool.start()
+    except PluginError as e:
+        await handle.stop(0)
+        raise SystemExit(f"reward: {e}") from None
+    metrics_port = start_metrics_server(config.serve.metrics_port, config.serve.host)
+    logger.info(
+        "reward serving %d data sources with %d workers on %s:%d (metrics port %s)",
+        len(pool.scorers),
+        config.workers,
+        config.serve.host,
+        handle.port,
+        metrics_port,
+    )
+    if port_file:
+        with open(port_file, "w") as f:
+            f.write(f"{handle.port}\n")
+    print(f"relayrl reward ready on {config.serve.host}:{handle.port}", flush=True)
+    await handle.set_ready(True)
+    await serve_forever(handle, config.serve.grace_seconds)

@@ -1,7 +1,10 @@
 """gRPC server bootstrap shared by every service.
 
 ``create_server`` builds a ``grpc.aio`` server with the service's servicer, ``grpc.health.v1``
-and reflection, and binds it (port 0 picks a free port, which tests rely on). ``serve_forever``
+and reflection, and binds it (port 0 picks a free port, which tests rely on). Who may call comes
+from the same ``ServeConfig`` (``relayrl.common.security``): TLS when a certificate is given, a
+bearer-token interceptor when a token file is, and a refusal to bind off loopback without TLS
+unless ``insecure``; health and reflection answer without a token. ``serve_forever``
 runs it until SIGTERM/SIGINT, then shuts down in the order production needs: health goes
 NOT_SERVING (load balancers stop sending work), in-flight RPCs get ``grace`` seconds, then the
 engine is shut down.
@@ -22,6 +25,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from relayrl.common.security import server_security
+from relayrl.common.serving import ServeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -57,15 +62,20 @@ class ServerHandle:
 def create_server(
     register: Callable[[grpc.aio.Server], None],
     service_full_name: str,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    max_message_mb: int = 256,
+    serve: ServeConfig | None = None,
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
 ) -> ServerHandle:
-    """Build and bind a server; ``register`` adds the servicer(s). Returns before starting."""
-    limit = max_message_mb * 1024 * 1024
+    """Build and bind a server as ``serve`` says (default: loopback, a free port, no TLS);
+    ``register`` adds the servicer(s). Returns before starting.
+
+    Raises ``SecurityError`` (nothing bound) when the access settings are unusable: a bind off
+    loopback without TLS and not ``insecure``, an unreadable certificate or token file.
+    """
+    serve = serve or ServeConfig()
+    credentials, auth = server_security(serve)
+    limit = serve.max_message_mb * 1024 * 1024
     server = grpc.aio.server(
-        interceptors=list(interceptors),
+        interceptors=[*auth, *interceptors],  # the token check first: a stranger reaches no servicer
         options=[
             ("grpc.max_send_message_length", limit),
             ("grpc.max_receive_message_length", limit),
@@ -78,8 +88,12 @@ def create_server(
     reflection.enable_server_reflection(
         (service_full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_insecure_port(address)
+    host = serve.host
+    address = f"[{host}]:{serve.port}" if ":" in host else f"{host}:{serve.port}"
+    if credentials is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, credentials)
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {address}")
     return ServerHandle(server=server, port=bound, health=health_servicer, service_name=service_full_name)

@@ -12,12 +12,21 @@ import os
 from relayrl.common import config as cfg
 
 # flag -> (config path, type, help). Flags are shortcuts for --set PATH=VALUE; type ``list`` makes a
-# repeatable flag whose values form the list.
+# repeatable flag whose values form the list, type ``bool`` a switch that sets true.
 _COMMON = {
-    "--host": ("serve.host", str, "address to bind (default 127.0.0.1)"),
+    "--host": ("serve.host", str, "address to bind (default 127.0.0.1; others need TLS or --insecure)"),
     "--port": ("serve.port", int, "gRPC port (0: pick a free one)"),
     "--metrics-port": ("serve.metrics_port", int, "Prometheus metrics port (0: pick a free one)"),
     "--grace-seconds": ("serve.grace_seconds", float, "drain time on SIGTERM"),
+    "--tls-cert": ("serve.tls_cert", str, "PEM certificate chain to serve TLS with (with --tls-key)"),
+    "--tls-key": ("serve.tls_key", str, "PEM private key of --tls-cert"),
+    "--tls-client-ca": ("serve.tls_client_ca", str, "PEM CA callers' certificates must chain to (mTLS)"),
+    "--token-file": (
+        "serve.token_file",
+        str,
+        "file holding the bearer token callers must send (default: $RELAYRL_TOKEN_FILE)",
+    ),
+    "--insecure": ("serve.insecure", bool, "allow a non-loopback --host without TLS or caller check"),
 }
 SERVICES: dict[str, dict[str, tuple[str, type, str]]] = {
     "generator": {
@@ -89,6 +98,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         for flag, (_path, typ, helptext) in {**_COMMON, **flags}.items():
             if typ is list:
                 s.add_argument(flag, action="append", metavar="MODULE:FUNCTION", help=helptext)
+            elif typ is bool:  # None unless given, so a config file's value stands
+                s.add_argument(flag, action="store_const", const=True, help=helptext)
             else:
                 s.add_argument(flag, type=typ, help=helptext)
         if name == "learner":
@@ -108,6 +119,7 @@ def build_config(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     config = build_config(args)
+    check_access(args.service, config.serve)
     logging.getLogger("relayrl").setLevel(min(logging.INFO, logging.getLogger().level))
     if args.service == "generator":
         # On CPU, vLLM's in-process engine with one OpenMP thread starts in seconds and runs as
@@ -127,6 +139,17 @@ def run(args: argparse.Namespace) -> int:
 
         asyncio.run(serve(config, args.port_file))
     return 0
+
+
+def check_access(service: str, serve) -> None:
+    """Refuse an open bind, or unreadable certificates and token, before anything slow starts
+    (model loading, scoring workers, torchrun ranks)."""
+    from relayrl.common.security import SecurityError, server_security
+
+    try:
+        server_security(serve)
+    except SecurityError as e:
+        raise SystemExit(f"relayrl serve {service}: {e}") from None
 
 
 def launch_learner(config, args: argparse.Namespace) -> int:

@@ -1,8 +1,12 @@
-"""Tensor dtypes on the wire: ``relayrl.common.v1.DType`` <-> the dtype names of weightsync."""
+"""Tensors on the wire: ``relayrl.common.v1.DType`` <-> weightsync's dtype names, and bucket
+plans -> ``relayrl.generator.v1.BucketPlan`` (the learner sends them; generators parse them in
+their servicer, with validation)."""
 
 from __future__ import annotations
 
+from relayrl.common import weightsync as ws
 from relayrl.common.v1 import common_pb2
+from relayrl.generator.v1 import generator_pb2
 
 DTYPE_TO_PROTO = {
     "float32": common_pb2.DTYPE_FLOAT32,
@@ -14,3 +18,19 @@ DTYPE_TO_PROTO = {
     "bool": common_pb2.DTYPE_BOOL,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPE_TO_PROTO.items()}
+
+
+def plan_to_proto(buckets: list[ws.Bucket]) -> generator_pb2.BucketPlan:
+    return generator_pb2.BucketPlan(
+        buckets=[
+            generator_pb2.Bucket(
+                tensors=[
+                    common_pb2.TensorSpec(name=m.name, dtype=DTYPE_TO_PROTO[m.dtype], shape=m.shape)
+                    for m in b.tensors
+                ],
+                nbytes=b.nbytes,
+                offsets=b.offsets,
+            )
+            for b in buckets
+        ]
+    )

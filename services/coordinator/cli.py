@@ -47,6 +47,12 @@ def _client_parser(sub, name: str, helptext: str, run_id: str | None) -> argpars
     )
     p.add_argument("--runs-dir", default="runs", help="where `relayrl run` records its coordinator address")
     p.add_argument("--timeout", type=float, default=10.0, help="deadline of the call in seconds")
+    p.add_argument("--tls-ca", metavar="PEM", help="CA that signed the coordinator's certificate (TLS)")
+    p.add_argument("--tls-cert", metavar="PEM", help="client certificate for mutual TLS (with --tls-key)")
+    p.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
+    p.add_argument(
+        "--token-file", metavar="FILE", help="file holding the bearer token (default: $RELAYRL_TOKEN_FILE)"
+    )
     return p
 
 
@@ -63,7 +69,8 @@ def add_client_parsers(subparsers: argparse._SubParsersAction) -> None:
 def _stub(args: argparse.Namespace):
     import os
 
-    import grpc
+    from relayrl.common import security
+    from relayrl.common.serving import ClientSecurity
     from relayrl.coordinator.v1 import coordinator_pb2_grpc as cpg
 
     addr = args.coordinator or os.environ.get("RELAYRL_COORDINATOR")
@@ -75,7 +82,12 @@ def _stub(args: argparse.Namespace):
                 f"or {f}); is a run going?"
             )
         addr = f.read_text().strip()
-    return cpg.CoordinatorServiceStub(grpc.insecure_channel(addr)), addr
+    try:
+        sec = ClientSecurity(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key, token_file=args.token_file)
+        channel = security.sync_channel(addr, **security.client_settings(sec))
+    except ValueError as e:  # pydantic's ValidationError and SecurityError both are
+        raise SystemExit(f"relayrl {args.command}: {e}") from None
+    return cpg.CoordinatorServiceStub(channel), addr
 
 
 def _show(exps) -> None:

@@ -5,7 +5,8 @@ Generate is spread by prompt: each healthy replica gets a share of the prompts. 
 call fails (it died, or its deadline passed), its prompts whose groups are not complete are sent
 again to the replicas still healthy; samples are keyed by (prompt_id, sample_index) and a
 partial group from a failed call is discarded, so no prompt is lost or counted twice. Score is
-stateless and is re-issued the same way by chunks.
+stateless and is re-issued the same way by chunks. Channels speak TLS and carry the bearer token
+as ``services.security`` says.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+from relayrl.common.security import client_channel
+from relayrl.common.serving import ClientSecurity
 from relayrl.common.v1 import common_pb2
 from relayrl.generator.v1 import generator_pb2 as g
 from relayrl.generator.v1 import generator_pb2_grpc as gg
@@ -42,11 +45,12 @@ class NoReplicaLeft(RuntimeError):
 class Replica:
     name: str
     address: str
-    channel: grpc.aio.Channel = field(repr=False, default=None)  # type: ignore[assignment]
+    channel: grpc.aio.Channel = field(repr=False)
     healthy: bool = True
 
-    def __post_init__(self) -> None:
-        self.channel = grpc.aio.insecure_channel(self.address, options=_OPTIONS)
+
+def _replicas(replicas: dict[str, str], security: ClientSecurity | None) -> list[Replica]:
+    return [Replica(n, a, client_channel(a, security, _OPTIONS)) for n, a in replicas.items()]
 
 
 def _split(items: Sequence, parts: int) -> list[list]:
@@ -55,9 +59,13 @@ def _split(items: Sequence, parts: int) -> list[list]:
 
 class GeneratorPool:
     def __init__(
-        self, replicas: dict[str, str], deadline_s: float, on_down: Callable[[str], None] | None = None
+        self,
+        replicas: dict[str, str],
+        deadline_s: float,
+        on_down: Callable[[str], None] | None = None,
+        security: ClientSecurity | None = None,
     ):
-        self.replicas = [Replica(n, a) for n, a in replicas.items()]
+        self.replicas = _replicas(replicas, security)
         self.deadline_s = deadline_s
         self.on_down = on_down
 
@@ -123,8 +131,14 @@ class GeneratorPool:
 
 
 class RewardPool:
-    def __init__(self, replicas: dict[str, str], deadline_s: float, chunk: int = 256):
-        self.replicas = [Replica(n, a) for n, a in replicas.items()]
+    def __init__(
+        self,
+        replicas: dict[str, str],
+        deadline_s: float,
+        chunk: int = 256,
+        security: ClientSecurity | None = None,
+    ):
+        self.replicas = _replicas(replicas, security)
         self.deadline_s = deadline_s
         self.chunk = chunk
 

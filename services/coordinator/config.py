@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from relayrl.common import config as cfg
 from relayrl.common.config import StrictModel
-from relayrl.common.serving import ServeConfig
+from relayrl.common.serving import ClientSecurity, ServeConfig
 from relayrl.generator.config import GeneratorConfig
 from relayrl.learner.config import LearnerConfig
 from relayrl.reward.config import RewardConfig
@@ -132,6 +132,9 @@ class ServicesSection(StrictModel):
     """Default deadline of every call to a service."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Prometheus port of the coordinator (per-step run metrics); None turns it off."""
+    security: ClientSecurity = Field(default_factory=ClientSecurity)
+    """How the coordinator calls the services: CA (TLS), client certificate (mutual TLS), token
+    file. Default: plaintext, token from $RELAYRL_TOKEN_FILE if set (services on loopback)."""
 
     @property
     def embedded(self) -> bool:
@@ -197,6 +200,7 @@ def resolve_paths(exp: ExperimentConfig, base: Path | None) -> ExperimentConfig:
         "runs_dir": rel(exp.runs_dir),
     }
     exp = exp.model_copy(update=updates)
+    _resolve_security_paths(exp, rel)
     if not exp.generator.engine.model:
         exp.generator.engine.model = exp.model.path
     if not exp.learner.model:
@@ -207,6 +211,21 @@ def resolve_paths(exp: ExperimentConfig, base: Path | None) -> ExperimentConfig:
     if exp.learner.loss.max_tokens_normaliser is None:
         exp.learner.loss.max_tokens_normaliser = exp.sampling.max_tokens
     return exp
+
+
+def _resolve_security_paths(exp: ExperimentConfig, rel) -> None:
+    """Certificate, key and token paths against the experiment's folder, like the other paths;
+    the learner calls the generators as the coordinator does unless its section says otherwise."""
+    for section in (exp.services.security, exp.learner.security):
+        for name in ("ca", "cert", "key", "token_file"):
+            if getattr(section, name):
+                setattr(section, name, rel(getattr(section, name)))
+    for serve in (exp.generator.serve, exp.learner.serve, exp.reward.serve):
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "token_file"):
+            if getattr(serve, name):
+                setattr(serve, name, rel(getattr(serve, name)))
+    if exp.learner.security == ClientSecurity():
+        exp.learner.security = exp.services.security.model_copy()
 
 
 def load_experiment(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:

@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
 from relayrl.common import config as cfg_mod
+from relayrl.common.security import client_channel
 from relayrl.coordinator.clients import GeneratorPool, RewardPool
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.launcher import ServiceProcess
@@ -202,8 +202,8 @@ async def drive(
 
     train_rows = load_rows(cfg.data.train)
     test_rows = load_rows(cfg.data.test) if cfg.data.test else []
-    channel = grpc.aio.insecure_channel(
-        services.learner, options=[("grpc.max_send_message_length", 256 << 20)]
+    channel = client_channel(
+        services.learner, cfg.services.security, options=[("grpc.max_send_message_length", 256 << 20)]
     )
     learner = lg.LearnerServiceStub(channel)
     deadline = cfg.services.deadline_seconds
@@ -213,8 +213,8 @@ async def drive(
             learner.UnregisterGenerator(lp.UnregisterGeneratorRequest(replica_id=replica), timeout=deadline)
         )
 
-    gens = GeneratorPool(services.generators, deadline, on_down=on_down)
-    rewards = RewardPool(services.rewards, deadline)
+    gens = GeneratorPool(services.generators, deadline, on_down=on_down, security=cfg.services.security)
+    rewards = RewardPool(services.rewards, deadline, security=cfg.services.security)
     exp = Experiment(cfg, run_dir, train_rows, test_rows, gens, rewards, learner, on_record)
     if stop is not None:
         exp.stop_requested = stop
@@ -252,7 +252,7 @@ async def _run_and_serve(cfg: ExperimentConfig, resume_dir: Path | None, show) -
     from relayrl.coordinator.server import build
 
     registry = Registry()
-    handle_srv = build(registry, host="127.0.0.1", port=0)
+    handle_srv = build(registry)  # loopback, a free port
     await handle_srv.server.start()
     start_metrics_server(cfg.services.metrics_port)
     addr_file = coordinator_address_file(cfg)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from relayrl.common.grpc_server import ServerHandle, create_server, serve_forever, start, start_metrics_server
+from relayrl.common.serving import ServeConfig
 from relayrl.coordinator.registry import Registry
 from relayrl.coordinator.servicer import CoordinatorServicer
 from relayrl.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -10,20 +11,20 @@ from relayrl.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name
 
 
-def build(registry: Registry, host: str = "127.0.0.1", port: int = 0) -> ServerHandle:
+def build(registry: Registry, serve: ServeConfig | None = None) -> ServerHandle:
+    """The server around ``registry`` (bound, not started); default: loopback, a free port."""
     servicer = CoordinatorServicer(registry)
     return create_server(
         lambda s: coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, s),
         SERVICE,
-        host=host,
-        port=port,
+        serve,
     )
 
 
 async def run(config, port_file: str | None = None) -> None:
     """Serve an empty registry until SIGTERM; experiments arrive by StartExperiment."""
     registry = Registry()
-    handle = build(registry, config.serve.host, config.serve.port)
+    handle = build(registry, config.serve)
     await start(handle, ready=True)
     start_metrics_server(config.serve.metrics_port, config.serve.host)
     if port_file:

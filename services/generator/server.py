@@ -26,9 +26,7 @@ def build(engine: GenerationEngine, config: GeneratorConfig) -> ServerHandle:
     handle = create_server(
         lambda s: generator_pb2_grpc.add_GeneratorServiceServicer_to_server(servicer, s),
         SERVICE,
-        host=config.serve.host,
-        port=config.serve.port,
-        max_message_mb=config.serve.max_message_mb,
+        config.serve,
     )
     holder["h"] = handle
     handle.on_shutdown.append(engine.shutdown)

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 from relayrl.common.config import StrictModel
-from relayrl.common.serving import ServeConfig
+from relayrl.common.serving import ClientSecurity, ServeConfig
 
 
 class LossConfig(StrictModel):
@@ -64,7 +64,10 @@ class LearnerConfig(StrictModel):
     """The learner: all ranks read the same config; rank 0 serves it."""
 
     serve: ServeConfig = Field(default_factory=ServeConfig)
-    """Where rank 0 listens."""
+    """Where rank 0 listens, and who may call it."""
+    security: ClientSecurity = Field(default_factory=ClientSecurity)
+    """How rank 0 calls the generators (weight-sync control): CA, client certificate, token file.
+    In an experiment file, unset takes ``services.security``."""
     model: str = ""
     """Path of a Hugging Face model folder to train. Required to serve."""
     world_size: int = Field(1, ge=1, le=4096)

@@ -51,6 +51,7 @@ async def serve(core, cfg: LearnerConfig, backend: str, port_file: str | None) -
         cfg.weight_sync_timeout_seconds,
         cfg.rpc_deadline_seconds,
         core.trainer.param_metas,
+        cfg.security,
     )
     servicer = LearnerServicer(
         core, sync, int(cfg.bucket_mb * (1 << 20)), cfg.loss.max_tokens_normaliser or 0
@@ -59,9 +60,7 @@ async def serve(core, cfg: LearnerConfig, backend: str, port_file: str | None) -
     handle = create_server(
         lambda s: learner_pb2_grpc.add_LearnerServiceServicer_to_server(servicer, s),
         name,
-        host=cfg.serve.host,
-        port=cfg.serve.port,
-        max_message_mb=cfg.serve.max_message_mb,
+        cfg.serve,
     )
     servicer._on_broken = lambda: asyncio.ensure_future(handle.set_ready(False))
 

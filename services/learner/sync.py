@@ -17,8 +17,9 @@ from collections.abc import Awaitable, Callable
 import grpc
 from relayrl.common import weightsync as ws
 from relayrl.common.rpc import DataLoss, FailedPrecondition, Unavailable
-from relayrl.common.tensors import DTYPE_TO_PROTO
-from relayrl.common.v1 import common_pb2
+from relayrl.common.security import client_channel
+from relayrl.common.serving import ClientSecurity
+from relayrl.common.tensors import plan_to_proto
 from relayrl.generator.v1 import generator_pb2 as g
 from relayrl.generator.v1 import generator_pb2_grpc as gg
 from relayrl.learner.core import WeightGroup
@@ -32,22 +33,6 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def plan_to_proto(buckets: list[ws.Bucket]) -> g.BucketPlan:
-    return g.BucketPlan(
-        buckets=[
-            g.Bucket(
-                tensors=[
-                    common_pb2.TensorSpec(name=m.name, dtype=DTYPE_TO_PROTO[m.dtype], shape=m.shape)
-                    for m in b.tensors
-                ],
-                nbytes=b.nbytes,
-                offsets=b.offsets,
-            )
-            for b in buckets
-        ]
-    )
-
-
 class WeightSync:
     def __init__(
         self,
@@ -57,6 +42,7 @@ class WeightSync:
         timeout_s: float,
         deadline_s: float,
         metas: Callable[[str], list[ws.TensorMeta]],
+        security: ClientSecurity | None = None,
     ):
         self.host = host
         self.backend = backend
@@ -64,6 +50,7 @@ class WeightSync:
         self.timeout_s = timeout_s
         self.deadline_s = deadline_s
         self._metas = metas
+        self.security = security  # how rank 0 reaches the generators (TLS, token)
         self.addresses: dict[str, str] = {}
         self.versions: dict[str, int] = {}
         self.group: WeightGroup | None = None
@@ -94,8 +81,10 @@ class WeightSync:
     def _stub(self, replica_id: str) -> gg.GeneratorServiceStub:
         ch = self._channels.get(replica_id)
         if ch is None:
-            ch = self._channels[replica_id] = grpc.aio.insecure_channel(
-                self.addresses[replica_id], options=[("grpc.max_send_message_length", 256 << 20)]
+            ch = self._channels[replica_id] = client_channel(
+                self.addresses[replica_id],
+                self.security,
+                options=[("grpc.max_send_message_length", 256 << 20)],
             )
         return gg.GeneratorServiceStub(ch)
 

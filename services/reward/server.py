@@ -20,9 +20,7 @@ def build(pool: ScoringPool, config: RewardConfig) -> ServerHandle:
     handle = create_server(
         lambda s: reward_pb2_grpc.add_RewardServiceServicer_to_server(servicer, s),
         SERVICE,
-        host=config.serve.host,
-        port=config.serve.port,
-        max_message_mb=config.serve.max_message_mb,
+        config.serve,
     )
     handle.on_shutdown.append(pool.close)
     return handle

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from relayrl.common import weightsync as ws
-from relayrl.common.tensors import DTYPE_TO_PROTO
+from relayrl.common.tensors import plan_to_proto
 from relayrl.common.v1 import common_pb2
 from relayrl.generator.v1 import generator_pb2 as g
 from relayrl.generator.v1 import generator_pb2_grpc as gg
@@ -121,19 +121,7 @@ class Learner:
             for n, t in tensors.items()
         ]
         buckets = ws.plan_buckets(metas, bucket_bytes)
-        plan = g.BucketPlan(
-            buckets=[
-                g.Bucket(
-                    tensors=[
-                        common_pb2.TensorSpec(name=m.name, dtype=DTYPE_TO_PROTO[m.dtype], shape=m.shape)
-                        for m in b.tensors
-                    ],
-                    nbytes=b.nbytes,
-                    offsets=b.offsets,
-                )
-                for b in buckets
-            ]
-        )
+        plan = plan_to_proto(buckets)
         fut = self.pool.submit(
             self.stub.UpdateWeights, g.UpdateWeightsRequest(version=version, plan=plan), timeout=120
         )

@@ -124,6 +124,19 @@ async def serve_forever(handle: ServerHandle, grace: float) -> None:
         task.cancel()
 
 
+async def announce_and_serve(
+    handle: ServerHandle, name: str, host: str, grace: float, port_file: str | None
+) -> None:
+    """Mark ready, tell the world where we are (port file for launchers, a line for people),
+    then serve until SIGTERM."""
+    if port_file:
+        with open(port_file, "w") as f:
+            f.write(f"{handle.port}\n")
+    print(f"relayrl {name} ready on {host}:{handle.port}", flush=True)
+    await handle.set_ready(True)
+    await serve_forever(handle, grace)
+
+
 def start_metrics_server(port: int | None, host: str = "127.0.0.1") -> int | None:
     """Serve Prometheus metrics of this process on ``host:port``; returns the bound port."""
     if port is None:

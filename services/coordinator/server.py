@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from relayrl.common.grpc_server import ServerHandle, create_server, serve_forever, start, start_metrics_server
+from relayrl.common.grpc_server import (
+    ServerHandle,
+    announce_and_serve,
+    create_server,
+    start,
+    start_metrics_server,
+)
 from relayrl.common.serving import ServeConfig
 from relayrl.coordinator.registry import Registry
 from relayrl.coordinator.servicer import CoordinatorServicer
@@ -27,10 +33,6 @@ async def run(config, port_file: str | None = None) -> None:
     handle = build(registry, config.serve)
     await start(handle, ready=True)
     start_metrics_server(config.serve.metrics_port, config.serve.host)
-    if port_file:
-        with open(port_file, "w") as f:
-            f.write(f"{handle.port}\n")
-    print(f"relayrl coordinator ready on {config.serve.host}:{handle.port}", flush=True)
 
     async def stop_experiments() -> None:
         for run_id in list(registry.experiments):
@@ -40,4 +42,4 @@ async def run(config, port_file: str | None = None) -> None:
                 await h.task
 
     handle.on_shutdown.append(stop_experiments)
-    await serve_forever(handle, config.serve.grace_seconds)
+    await announce_and_serve(handle, "coordinator", config.serve.host, config.serve.grace_seconds, port_file)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import logging
 import socket
 
-from relayrl.common.grpc_server import ServerHandle, create_server, serve_forever, start, start_metrics_server
+from relayrl.common.grpc_server import (
+    ServerHandle,
+    announce_and_serve,
+    create_server,
+    start,
+    start_metrics_server,
+)
 from relayrl.generator.config import GeneratorConfig
 from relayrl.generator.engine import GenerationEngine
 from relayrl.generator.servicer import GeneratorServicer
@@ -56,9 +62,4 @@ async def run(config: GeneratorConfig, port_file: str | None = None) -> None:
         handle.port,
         metrics_port,
     )
-    if port_file:
-        with open(port_file, "w") as f:
-            f.write(f"{handle.port}\n")
-    print(f"relayrl generator ready on {config.serve.host}:{handle.port}", flush=True)
-    await handle.set_ready(True)
-    await serve_forever(handle, config.serve.grace_seconds)
+    await announce_and_serve(handle, "generator", config.serve.host, config.serve.grace_seconds, port_file)

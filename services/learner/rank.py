@@ -35,7 +35,7 @@ def init_distributed() -> str:
 
 
 async def serve(core, cfg: LearnerConfig, backend: str, port_file: str | None) -> None:
-    from relayrl.common.grpc_server import create_server, serve_forever, start, start_metrics_server
+    from relayrl.common.grpc_server import announce_and_serve, create_server, start, start_metrics_server
     from relayrl.learner.servicer import LearnerServicer
     from relayrl.learner.sync import WeightSync
     from relayrl.learner.v1 import learner_pb2, learner_pb2_grpc
@@ -71,9 +71,6 @@ async def serve(core, cfg: LearnerConfig, backend: str, port_file: str | None) -
     handle.on_shutdown.append(release_followers)
     await start(handle, ready=True)
     metrics_port = start_metrics_server(cfg.serve.metrics_port, cfg.serve.host)
-    if port_file:
-        with open(port_file, "w") as f:
-            f.write(f"{handle.port}\n")
     logger.info(
         "learner rank 0 serving on %s:%d (world %d, metrics port %s)",
         cfg.serve.host,
@@ -81,8 +78,7 @@ async def serve(core, cfg: LearnerConfig, backend: str, port_file: str | None) -
         core.trainer.world_size,
         metrics_port,
     )
-    print(f"relayrl learner ready on {cfg.serve.host}:{handle.port}", flush=True)
-    await serve_forever(handle, cfg.serve.grace_seconds)
+    await announce_and_serve(handle, "learner", cfg.serve.host, cfg.serve.grace_seconds, port_file)
 
 
 def main(argv: list[str] | None = None) -> int:

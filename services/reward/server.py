@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import logging
 
-from relayrl.common.grpc_server import ServerHandle, create_server, serve_forever, start, start_metrics_server
+from relayrl.common.grpc_server import (
+    ServerHandle,
+    announce_and_serve,
+    create_server,
+    start,
+    start_metrics_server,
+)
 from relayrl.reward.config import RewardConfig
 from relayrl.reward.pool import PluginError, ScoringPool
 from relayrl.reward.servicer import RewardServicer
@@ -45,9 +51,4 @@ async def run(config: RewardConfig, port_file: str | None = None) -> None:
         handle.port,
         metrics_port,
     )
-    if port_file:
-        with open(port_file, "w") as f:
-            f.write(f"{handle.port}\n")
-    print(f"relayrl reward ready on {config.serve.host}:{handle.port}", flush=True)
-    await handle.set_ready(True)
-    await serve_forever(handle, config.serve.grace_seconds)
+    await announce_and_serve(handle, "reward", config.serve.host, config.serve.grace_seconds, port_file)

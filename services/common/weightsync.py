@@ -50,14 +50,21 @@ class Bucket:
     nbytes: int
 
 
-def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int) -> list[Bucket]:
-    """Group tensors, in order, into buckets of at most ``bucket_bytes`` (a larger tensor gets a
-    bucket of its own).
+SOLO_BYTES = 4 << 20  # tensors this large travel alone: broadcast in place, no packing copy
+
+
+def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int, solo_bytes: int = SOLO_BYTES) -> list[Bucket]:
+    """Group tensors, in order, into buckets of at most ``bucket_bytes``. A tensor of at least
+    ``solo_bytes`` (or larger than a bucket) gets a bucket of its own: it is broadcast straight
+    from its memory, and packing small tensors is where buckets pay off.
 
     >>> b = plan_buckets([TensorMeta("a", "float32", (10,)), TensorMeta("b", "float32", (4,)),
-    ...                   TensorMeta("c", "float32", (100,))], bucket_bytes=128)
+    ...                   TensorMeta("c", "float32", (100,)), TensorMeta("d", "float32", (2,))],
+    ...                  bucket_bytes=128, solo_bytes=1000)
     >>> [([t.name for t in x.tensors], x.offsets, x.nbytes) for x in b]
-    [(['a', 'b'], (0, 64), 80), (['c'], (0,), 400)]
+    [(['a', 'b'], (0, 64), 80), (['c'], (0,), 400), (['d'], (0,), 8)]
+    >>> [len(x.tensors) for x in plan_buckets([TensorMeta("a", "float32", (10,))] * 3, 1 << 20, solo_bytes=40)]
+    [1, 1, 1]
     """
     if bucket_bytes <= 0:
         raise ValueError("bucket_bytes must be positive")
@@ -68,6 +75,12 @@ def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int) -> list[Bucket]
     for meta in metas:
         if meta.dtype not in ITEMSIZE:
             raise ValueError(f"{meta.name}: unsupported dtype {meta.dtype!r}")
+        if meta.nbytes >= solo_bytes:
+            if cur:
+                buckets.append(Bucket(tuple(cur), tuple(offs), end))
+                cur, offs, end = [], [], 0
+            buckets.append(Bucket((meta,), (0,), meta.nbytes))
+            continue
         start = -(-end // ALIGN) * ALIGN if cur else 0
         if cur and start + meta.nbytes > bucket_bytes:
             buckets.append(Bucket(tuple(cur), tuple(offs), end))
@@ -91,9 +104,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def pack(bucket: Bucket, tensors: Sequence[torch.Tensor], device: str | torch.device = "cpu") -> torch.Tensor:
-    """Copy ``tensors`` (same order as ``bucket.tensors``) into a new flat uint8 buffer."""
+    """``tensors`` (same order as ``bucket.tensors``) as one flat uint8 buffer: a new buffer, or,
+    for a lone contiguous tensor already on ``device``, a view of its memory (no copy)."""
     import torch
 
+    if len(tensors) == 1:
+        (t,), (meta,) = tensors, bucket.tensors
+        if (t.is_contiguous() and t.device == torch.device(device) and tuple(t.shape) == meta.shape
+                and dtype_name(t.dtype) == meta.dtype):
+            return t.detach().reshape(-1).view(torch.uint8)
     buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
     for meta, off, t in zip(bucket.tensors, bucket.offsets, tensors, strict=True):
         if tuple(t.shape) != meta.shape or dtype_name(t.dtype) != meta.dtype:

@@ -132,6 +132,8 @@ class ServicesSection(StrictModel):
     """Default deadline of every call to a service."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Prometheus port of the coordinator (per-step run metrics); None turns it off."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint binds; 0.0.0.0 in a container so Prometheus can scrape it."""
     security: ClientSecurity = Field(default_factory=ClientSecurity)
     """How the coordinator calls the services: CA (TLS), client certificate (mutual TLS), token
     file. Default: plaintext, token from $RELAYRL_TOKEN_FILE if set (services on loopback)."""

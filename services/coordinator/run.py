@@ -254,7 +254,7 @@ async def _run_and_serve(cfg: ExperimentConfig, resume_dir: Path | None, show) -
     registry = Registry()
     handle_srv = build(registry)  # loopback, a free port
     await handle_srv.server.start()
-    start_metrics_server(cfg.services.metrics_port)
+    start_metrics_server(cfg.services.metrics_port, cfg.services.metrics_host)
     addr_file = coordinator_address_file(cfg)
     addr_file.parent.mkdir(parents=True, exist_ok=True)
     addr_file.write_text(f"127.0.0.1:{handle_srv.port}\n")

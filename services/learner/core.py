@@ -145,6 +145,11 @@ class LearnerCore:
                 if in_flight is not None:
                     in_flight[0].wait()
                 in_flight = (work, buf)
+                if buf.data_ptr() == tensors[0].data_ptr():
+                    # A view of the gathered parameter (no copy): it is released when the gather
+                    # context closes, so this broadcast must finish first.
+                    work.wait()
+                    in_flight = None
                 sent += b.nbytes
             except RuntimeError as e:
                 # A generator died mid-broadcast. Keep gathering (the other ranks are in the

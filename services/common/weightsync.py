@@ -53,7 +53,9 @@ class Bucket:
 SOLO_BYTES = 4 << 20  # tensors this large travel alone: broadcast in place, no packing copy
 
 
-def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int, solo_bytes: int = SOLO_BYTES) -> list[Bucket]:
+def plan_buckets(
+    metas: Iterable[TensorMeta], bucket_bytes: int, solo_bytes: int = SOLO_BYTES
+) -> list[Bucket]:
     """Group tensors, in order, into buckets of at most ``bucket_bytes``. A tensor of at least
     ``solo_bytes`` (or larger than a bucket) gets a bucket of its own: it is broadcast straight
     from its memory, and packing small tensors is where buckets pay off.
@@ -110,8 +112,12 @@ def pack(bucket: Bucket, tensors: Sequence[torch.Tensor], device: str | torch.de
 
     if len(tensors) == 1:
         (t,), (meta,) = tensors, bucket.tensors
-        if (t.is_contiguous() and t.device == torch.device(device) and tuple(t.shape) == meta.shape
-                and dtype_name(t.dtype) == meta.dtype):
+        if (
+            t.is_contiguous()
+            and t.device == torch.device(device)
+            and tuple(t.shape) == meta.shape
+            and dtype_name(t.dtype) == meta.dtype
+        ):
             return t.detach().reshape(-1).view(torch.uint8)
     buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
     for meta, off, t in zip(bucket.tensors, bucket.offsets, tensors, strict=True):

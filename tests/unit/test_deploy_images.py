@@ -1,0 +1,398 @@
+"""Images, the health probe and docker compose (deploy/docker, deploy/compose), checked without
+a Docker engine; ``docker-compose config`` also runs where installed."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from relayrl.common.config import ConfigError
+from relayrl.common.healthcheck import main as healthcheck_main
+from relayrl.coordinator.config import load_experiment
+
+from tests.deploy_checks import (  # the token-env fixture applies to every test here
+    COMPOSE_DIR,
+    DOCKERFILE,
+    FULL_NAME,
+    HEAVY,
+    ROOT,
+    _no_token_env,  # noqa: F401
+    check_cli,
+    healthcheck_target,
+    relayrl_invocations,
+)
+
+
+def test_invocations_are_found_in_shell_scripts():
+    script = "test -f /m/config.json || { rm -rf /t && relayrl model tiny --out /t && mv /t /m; }"
+    assert relayrl_invocations(["sh", "-c", script]) == [["relayrl", "model", "tiny", "--out", "/t"]]
+    assert relayrl_invocations(["relayrl", "serve", "reward"]) == [["relayrl", "serve", "reward"]]
+    assert relayrl_invocations("test 1 || exec relayrl run x.yaml") == [["relayrl", "run", "x.yaml"]]
+
+
+def test_a_flag_typo_fails_the_cli_check():
+    with pytest.raises(pytest.fail.Exception):
+        check_cli(["relayrl", "serve", "reward", "--wrokers", "2"])
+    with pytest.raises(pytest.fail.Exception):  # accepted by argparse as an abbreviation, not here
+        check_cli(["relayrl", "serve", "reward", "--worker", "2"])
+    with pytest.raises(ConfigError):  # an invalid value fails in the service's config
+        check_cli(["relayrl", "serve", "learner", "--loss", "grpo2"])
+
+
+# -- the health probe -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def health_server():
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    servicer.set("relayrl.x.v1.Ready", health_pb2.HealthCheckResponse.SERVING)
+    servicer.set("relayrl.x.v1.Loading", health_pb2.HealthCheckResponse.NOT_SERVING)
+    yield f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+def test_healthcheck_exit_codes(health_server, capsys):
+    assert healthcheck_main([health_server]) == 0
+    assert healthcheck_main([health_server, "relayrl.x.v1.Ready"]) == 0
+    assert healthcheck_main([health_server, "relayrl.x.v1.Loading"]) == 1
+    assert "NOT_SERVING" in capsys.readouterr().err
+    assert healthcheck_main([health_server, "relayrl.x.v1.Unknown"]) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
+
+
+def test_healthcheck_fails_within_its_deadline_when_nothing_listens():
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    assert healthcheck_main([f"127.0.0.1:{port}", "--timeout", "1"]) == 1
+    assert time.monotonic() - t0 < 5
+
+
+def test_healthcheck_runs_as_a_module(health_server):
+    run = subprocess.run(
+        [sys.executable, "-m", "relayrl.common.healthcheck", health_server, "relayrl.x.v1.Loading"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 1 and "NOT_SERVING" in run.stderr
+    ok = subprocess.run([sys.executable, "-m", "relayrl.common.healthcheck", health_server], timeout=60)
+    assert ok.returncode == 0
+
+
+# -- Dockerfile -------------------------------------------------------------------------------------
+def dockerfile_stages() -> dict[str, dict]:
+    """Stage name -> {"from": base, "lines": [instruction lines, continuations joined]}."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    stages: dict[str, dict] = {}
+    current = None
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = re.match(r"FROM\s+(\S+)\s+AS\s+(\S+)$", line, re.IGNORECASE)
+        if m:
+            current = stages.setdefault(m.group(2), {"from": m.group(1), "lines": []})
+        elif current is not None:
+            current["lines"].append(line)
+    return stages
+
+
+TARGETS = {  # image target -> (extra it installs, service it serves)
+    "reward": ("reward", "reward"),
+    "coordinator": ("coordinator", "coordinator"),
+    "learner": ("learner", "learner"),
+    "generator": ("generator", "generator"),
+    "generator-cpu": ("generator-cpu", "generator"),
+}
+
+
+def _instr(stage: dict, name: str) -> list[str]:
+    return [line[len(name) :].strip() for line in stage["lines"] if line.upper().startswith(name + " ")]
+
+
+def test_dockerfile_has_a_target_per_service_with_its_extra_only():
+    stages = dockerfile_stages()
+    for target, (extra, _svc) in TARGETS.items():
+        assert target in stages, f"no target {target}"
+        copies = [c for c in _instr(stages[target], "COPY") if c.startswith("--from=")]
+        assert len(copies) == 1 and copies[0].endswith("/opt/venv /opt/venv"), copies
+        install = stages[copies[0].split()[0].removeprefix("--from=")]
+        installs = re.findall(r"pip install (\S+)", " ".join(_instr(install, "RUN")))
+        assert installs == [f'".[{extra}]"'], f"{target} installs {installs}, expected .[{extra}] only"
+    cpu_gen = " ".join(_instr(stages["install-generator-cpu"], "RUN"))
+    assert re.search(r"pip uninstall --yes torchvision torchaudio torchcodec", cpu_gen)
+
+
+def test_reward_extra_pulls_no_heavy_package():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+
+    def deps(extra: str) -> set[str]:
+        out = set()
+        for req in extras[extra]:
+            m = re.match(r"relayrl\[([^\]]+)\]", req)
+            if m:
+                for e in m.group(1).split(","):
+                    out |= deps(e.strip())
+            else:
+                out.add(re.split(r"[<>=!~;\[ ]", req, maxsplit=1)[0].lower())
+        return out
+
+    base = {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].lower() for r in project["dependencies"]}
+    assert not (base | deps("reward")) & HEAVY
+    assert not (base | deps("coordinator")) & HEAVY
+    assert "kubernetes-validate" in deps("dev")
+
+
+def test_images_run_unprivileged_with_grpc_health_checks_and_valid_commands():
+    stages = dockerfile_stages()
+    for target, (_extra, svc) in TARGETS.items():
+        stage = stages[target]
+        users = _instr(stage, "USER")
+        assert users, f"{target}: no USER"
+        user = users[-1].split(":")[0]
+        assert user not in {"root", "0"} and user.isdigit(), f"{target}: USER {users[-1]} (numeric, not root)"
+        checks = _instr(stage, "HEALTHCHECK")
+        assert len(checks) == 1, f"{target}: HEALTHCHECK missing"
+        hc = json.loads(checks[0][checks[0].index("CMD") + 3 :])
+        cmd = json.loads(_instr(stage, "CMD")[-1])
+        (argv,) = relayrl_invocations(cmd)
+        args, config = check_cli(argv)
+        assert args.service == svc and config.serve.host == "0.0.0.0"
+        assert healthcheck_target(hc) == (config.serve.port, FULL_NAME[svc])
+        assert str(config.serve.port) in " ".join(_instr(stage, "EXPOSE")).split()
+
+
+def test_dockerfile_base_and_index_are_build_args():
+    text = DOCKERFILE.read_text()
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", text, re.M)
+    assert re.search(r"^ARG PIP_EXTRA_INDEX_URL=\S+$", text, re.M)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\} AS runtime$", text, re.M)
+    code = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    hosts = [line for line in code if "://" in line]
+    assert hosts == [line for line in code if line.startswith("ARG PIP_EXTRA_INDEX_URL=")]
+    ignore = (DOCKERFILE.parent / "Dockerfile.dockerignore").read_text().split()
+    assert ignore[ignore.index("*") :][:1] == ["*"] and "!services/" in ignore  # an allowlist
+
+
+# -- docker compose ---------------------------------------------------------------------------------
+def load_compose() -> dict:
+    return yaml.safe_load((COMPOSE_DIR / "compose.yaml").read_text())
+
+
+def compose_env() -> dict[str, str]:
+    env = {}
+    for line in (COMPOSE_DIR / ".env").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            k, v = line.split("=", 1)
+            env[k.strip()] = v.strip()
+    return env
+
+
+def active_services(compose: dict, profiles: list[str]) -> set[str]:
+    return {
+        n
+        for n, s in compose["services"].items()
+        if not s.get("profiles") or set(s["profiles"]) & set(profiles)
+    }
+
+
+RELAYRL_SERVICES = ("reward", "generator", "learner", "coordinator")
+
+
+def compose_relayrl(compose: dict, name: str):
+    """(service definition, relayrl argv, parsed args, config) of a compose service."""
+    svc = compose["services"][name]
+    (argv,) = relayrl_invocations(svc["command"])
+    args, config = check_cli(argv)
+    return svc, argv, args, config
+
+
+def test_compose_services_and_profiles():
+    compose = load_compose()
+    assert compose_env()["COMPOSE_PROFILES"] == "cpu"  # plain `docker compose up` is the CPU stack
+    cpu = active_services(compose, ["cpu"])
+    gpu = active_services(compose, ["gpu"])
+    assert cpu == {"init", *RELAYRL_SERVICES, "prometheus", "grafana"}
+    assert gpu == {"init", "reward", "generator-gpu", "learner-gpu", "coordinator", "prometheus", "grafana"}
+    for name in ("generator", "learner"):  # the same name on either profile for experiment and Prometheus
+        assert compose["services"][f"{name}-gpu"]["networks"]["default"]["aliases"] == [name]
+
+
+@pytest.mark.parametrize(
+    "name", ["reward", "generator", "learner", "coordinator", "generator-gpu", "learner-gpu"]
+)
+def test_compose_relayrl_service(name):
+    compose = load_compose()
+    svc, argv, args, config = compose_relayrl(compose, name)
+    base = name.removesuffix("-gpu")
+    assert args.service == base and config.serve.host == "0.0.0.0"
+    port = config.serve.port
+    assert svc["ports"] == [f"127.0.0.1:{port}:{port}"]
+    assert healthcheck_target(svc["healthcheck"]["test"][1:]) == (port, FULL_NAME[base])
+    assert svc["healthcheck"]["test"][0] == "CMD"
+    assert config.serve.metrics_port, f"{name}: no --metrics-port"
+    build = svc["build"]
+    assert build["dockerfile"] == "deploy/docker/Dockerfile" and build["target"] in dockerfile_stages()
+    assert (COMPOSE_DIR / build["context"] / build["dockerfile"]).resolve() == DOCKERFILE
+    gpu = name.endswith("-gpu")
+    args_ = build.get("args", {})
+    assert (args_.get("BASE_IMAGE", "python:3.11-slim").startswith("nvidia/cuda:")) == gpu
+    if gpu:
+        assert args_["PIP_EXTRA_INDEX_URL"] == "", "CUDA images take PyPI's torch, not the CPU index"
+    if base in ("generator", "learner"):
+        target = {"generator": "generator" if gpu else "generator-cpu", "learner": "learner"}[base]
+        assert build["target"] == target
+        assert "models:/models:ro" in svc["volumes"] and config_model(config) == "/models/policy"
+        assert svc["depends_on"]["init"]["condition"] == "service_completed_successfully"
+    if base == "learner":
+        assert "runs:/runs" in svc["volumes"]  # checkpoints go to the run folder the coordinator names
+        assert config.weight_sync_host == "learner"
+
+
+def config_model(config) -> str:
+    return getattr(getattr(config, "engine", None), "model", None) or config.model
+
+
+def test_compose_gpu_profile_reserves_separate_gpus():
+    compose = load_compose()
+    ids = {}
+    for name in ("generator-gpu", "learner-gpu"):
+        (dev,) = compose["services"][name]["deploy"]["resources"]["reservations"]["devices"]
+        assert dev["driver"] == "nvidia" and dev["capabilities"] == ["gpu"]
+        ids[name] = set(dev["device_ids"])
+    assert ids["generator-gpu"] and ids["learner-gpu"] and not ids["generator-gpu"] & ids["learner-gpu"]
+    _svc, _argv, _args, learner = compose_relayrl(compose, "learner-gpu")
+    assert learner.world_size == len(ids["learner-gpu"])
+    for name, svc in compose["services"].items():
+        if not name.endswith("-gpu"):
+            assert "deploy" not in svc, f"{name} reserves devices outside the gpu profile"
+
+
+def test_compose_volumes_and_experiment():
+    compose = load_compose()
+    assert {"models", "data", "runs"} <= set(compose["volumes"])
+    coord = compose["services"]["coordinator"]
+    mounts = {v.split(":")[1]: v for v in coord["volumes"]}
+    assert mounts["/experiments/experiment.yaml"].startswith("./experiment.yaml:")
+    exp = load_experiment(COMPOSE_DIR / "experiment.yaml")
+    assert exp.model.tiny is None, "the coordinator image has no torch to build a tiny model"
+    for path in (exp.model.path, exp.data.train, exp.data.test, exp.runs_dir):
+        assert any(path == m or path.startswith(m + "/") for m in mounts), f"{path} is not on a volume"
+    assert mounts["/runs"] == "runs:/runs" and mounts["/data"] == "data:/data"
+    ports = {n: compose_relayrl(compose, n)[3].serve.port for n in RELAYRL_SERVICES}
+    assert exp.services.generators == [f"generator:{ports['generator']}"]
+    assert exp.services.rewards == [f"reward:{ports['reward']}"]
+    assert exp.services.learner == f"learner:{ports['learner']}"
+    # The documented command: `docker compose run --rm --name relayrl-run coordinator relayrl run ...`
+    check_cli(["relayrl", "run", "/experiments/experiment.yaml"])
+    init = compose["services"]["init"]
+    (tiny,) = relayrl_invocations(init["command"])
+    check_cli(tiny)
+    assert "mv /models/.policy.tmp /models/policy" in init["command"][2]
+
+
+def prometheus_targets(path: Path) -> dict[str, list[str]]:
+    conf = yaml.safe_load(path.read_text())
+    return {
+        j["job_name"]: [t for sc in j["static_configs"] for t in sc["targets"]]
+        for j in conf["scrape_configs"]
+    }
+
+
+def test_compose_prometheus_scrapes_every_metrics_port():
+    compose = load_compose()
+    targets = prometheus_targets(COMPOSE_DIR / "prometheus.yml")
+    for name in RELAYRL_SERVICES:
+        assert f"{name}:{compose_relayrl(compose, name)[3].serve.metrics_port}" in targets[name]
+    for name in ("generator", "learner"):  # the GPU variants answer on the same names and ports
+        assert (
+            compose_relayrl(compose, f"{name}-gpu")[3].serve.metrics_port
+            == compose_relayrl(compose, name)[3].serve.metrics_port
+        )
+    exp = load_experiment(COMPOSE_DIR / "experiment.yaml")
+    assert f"relayrl-run:{exp.services.metrics_port}" in targets["coordinator"]
+    assert compose["services"]["prometheus"]["volumes"][0].startswith("./prometheus.yml:")
+
+
+def _metric_samples() -> set[str]:
+    """Names Prometheus sees for every metric the services define."""
+    import importlib
+
+    from prometheus_client.metrics import MetricWrapperBase
+
+    names = set()
+    for svc in ("generator", "learner", "reward", "coordinator"):
+        mod = importlib.import_module(f"relayrl.{svc}.metrics")
+        for m in vars(mod).values():
+            if isinstance(m, MetricWrapperBase):
+                (desc,) = m.describe()
+                suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}.get(
+                    desc.type, [""]
+                )
+                names |= {desc.name + s for s in suffixes}
+    return names
+
+
+def test_grafana_dashboard_uses_real_metric_names():
+    dash = json.loads((COMPOSE_DIR / "grafana" / "dashboards" / "relayrl.json").read_text())
+    ds = yaml.safe_load(
+        (COMPOSE_DIR / "grafana" / "provisioning" / "datasources" / "prometheus.yaml").read_text()
+    )
+    uid = ds["datasources"][0]["uid"]
+    titles = " ".join(p["title"].lower() for p in dash["panels"])
+    for word in ("reward", "tokens/s", "sync", "staleness", "errors"):
+        assert word in titles, f"no panel about {word}"
+    known = _metric_samples()
+    loop = (ROOT / "services" / "coordinator" / "loop.py").read_text()
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    for p in dash["panels"]:
+        assert p["datasource"]["uid"] == uid and all(t["datasource"]["uid"] == uid for t in p["targets"])
+    for expr in exprs:
+        for name in re.findall(r"\brelayrl_[a-z_]+", expr):
+            assert name in known, f"{expr}: {name} is not a metric the services export"
+        for run_metric in re.findall(r'relayrl_run_metric\{name="([a-z_]+)"', expr):
+            assert f'"{run_metric}"' in loop, f"{expr}: the coordinator records no {run_metric}"
+    provider = yaml.safe_load(
+        (COMPOSE_DIR / "grafana" / "provisioning" / "dashboards" / "relayrl.yaml").read_text()
+    )
+    mounts = compose_mounts("grafana")
+    assert provider["providers"][0]["options"]["path"] in mounts.values()
+
+
+def compose_mounts(name: str) -> dict[str, str]:
+    return {v.split(":")[0]: v.split(":")[1] for v in load_compose()["services"][name]["volumes"]}
+
+
+@pytest.mark.skipif(
+    shutil.which("docker-compose") is None,
+    reason="docker-compose not installed (apt-get install docker-compose)",
+)
+@pytest.mark.parametrize("profile", ["cpu", "gpu"], ids=["cpu-profile", "gpu-profile"])
+def test_docker_compose_config_accepts_the_file(profile):
+    run = subprocess.run(
+        ["docker-compose", "-f", "compose.yaml", "--profile", profile, "config", "-q"],
+        cwd=COMPOSE_DIR,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr

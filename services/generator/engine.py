@@ -434,10 +434,6 @@ class VLLMEngine:
             nbytes, checksums = results[0]  # the first worker speaks for the replica
             return int(nbytes), time.monotonic() - t0, list(checksums)
 
-    async def param_checksum(self) -> float:
-        """Fingerprint of the loaded weights (float64 sum), for tests and debugging."""
-        return (await self._llm.collective_rpc("relayrl_param_checksum"))[0]
-
 
 def _has_cuda() -> bool:
     import torch

@@ -159,11 +159,6 @@ class WeightSyncExtension:
             with set_current_vllm_config(self.vllm_config):
                 method.process_weights_after_loading(head)
 
-    def relayrl_param_checksum(self) -> float:
-        """Sum of all parameters in float64: a cheap fingerprint for tests and debugging."""
-        model = self.model_runner.get_model()
-        return float(sum(p.detach().double().sum().item() for p in model.parameters()))
-
     def _relayrl_model_device(self) -> torch.device:
         return next(self.model_runner.get_model().parameters()).device
 

@@ -111,7 +111,7 @@ class Trainer:
         if cfg.loss.kl_coef > 0:
             ref_model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=self.dtype)
             self.ref, *_ = deepspeed.initialize(model=ref_model, config=conf)
-            self.ref.eval()
+            self.ref.train(False)  # frozen reference: inference mode
         self.step = 0
         self.version = 0
         self.vocab_size = self.model_config.vocab_size

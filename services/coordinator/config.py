@@ -19,13 +19,13 @@ from relayrl.generator.config import GeneratorConfig
 from relayrl.learner.config import LearnerConfig
 from relayrl.reward.config import RewardConfig
 
-TASKS = ("countdown", "arithmetic", "reverse")
+Task = Literal["countdown", "arithmetic", "reverse"]  # the built-in tasks of the data kit
 
 
 class TinyModelSpec(StrictModel):
     """Build a tiny local model when ``model.path`` does not exist yet (demos, tests, CI)."""
 
-    task: Literal["countdown", "arithmetic", "reverse"] | None = "reverse"
+    task: Task | None = "reverse"
     """Task of the supervised warm start; None keeps the random init."""
     sft_steps: int = Field(150, ge=0, le=100_000)
     """Supervised warm-start steps (an R1-Zero-like starting point: RL then has room to improve)."""
@@ -46,7 +46,7 @@ class ModelSection(StrictModel):
 class TaskDataSpec(StrictModel):
     """Generate the dataset files when they are missing."""
 
-    task: Literal["countdown", "arithmetic", "reverse"]
+    task: Task
     """Which built-in task."""
     n_train: int = Field(2000, ge=1)
     """Training prompts."""

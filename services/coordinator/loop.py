@@ -114,7 +114,7 @@ class Experiment:
     # -- phases ----------------------------------------------------------------------------
     def _sampling(self, greedy: bool) -> g.SamplingParams:
         s = self.cfg.sampling
-        params = g.SamplingParams(
+        return g.SamplingParams(
             n=1 if greedy else s.n,
             max_tokens=s.max_tokens,
             stop=s.stop,
@@ -122,7 +122,6 @@ class Experiment:
             top_p=s.top_p,
             top_k=s.top_k,
         )
-        return params
 
     async def rollout(self, batch: list[tuple[str, dict]], greedy: bool = False, tag: str = "") -> Rollout:
         t0 = time.monotonic()

@@ -23,18 +23,13 @@ SERVICE = generator_pb2.DESCRIPTOR.services_by_name["GeneratorService"].full_nam
 
 def build(engine: GenerationEngine, config: GeneratorConfig) -> ServerHandle:
     """The server around ``engine`` (bound, not started); tests pass a fake engine here."""
-    holder: dict[str, ServerHandle] = {}
-
-    async def set_ready(ready: bool) -> None:
-        await holder["h"].set_ready(ready)
-
-    servicer = GeneratorServicer(engine, config.max_pending_requests, set_ready)
+    servicer = GeneratorServicer(engine, config.max_pending_requests)
     handle = create_server(
         lambda s: generator_pb2_grpc.add_GeneratorServiceServicer_to_server(servicer, s),
         SERVICE,
         config.serve,
     )
-    holder["h"] = handle
+    servicer.set_ready = handle.set_ready  # readiness flips around weight swaps
     handle.on_shutdown.append(engine.shutdown)
     return handle
 

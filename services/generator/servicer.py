@@ -99,7 +99,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         self.engine = engine
         self.max_pending = max_pending
         self.pending = 0
-        self._set_ready = set_ready
+        self.set_ready = set_ready
 
     def _prompt(self, p: common_pb2.Prompt, spec: SamplingSpec) -> PromptIn:
         kind = p.WhichOneof("input")
@@ -181,16 +181,16 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         )
 
     async def _swapping(self, fn):
-        if self._set_ready:
-            await self._set_ready(False)
+        if self.set_ready:
+            await self.set_ready(False)
         t0 = time.monotonic()
         try:
             return await fn()
         finally:
             metrics.SWAP_SECONDS.observe(time.monotonic() - t0)
             metrics.VERSION.set(self.engine.status().policy_version)
-            if self._set_ready:
-                await self._set_ready(self.engine.status().ready)
+            if self.set_ready:
+                await self.set_ready(self.engine.status().ready)
 
     @map_errors
     async def UpdateWeights(self, request, context):

@@ -62,7 +62,7 @@ async def serve(core, cfg: LearnerConfig, backend: str, port_file: str | None) -
         name,
         cfg.serve,
     )
-    servicer._on_broken = lambda: asyncio.ensure_future(handle.set_ready(False))
+    servicer.on_broken = lambda: asyncio.ensure_future(handle.set_ready(False))
 
     async def release_followers() -> None:
         if servicer.broken is None:

@@ -45,7 +45,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         self.lock = asyncio.Lock()
         self.last: learner_pb2.TrainStepResponse | None = None
         self.broken: str | None = None
-        self._on_broken = on_broken
+        self.on_broken = on_broken
 
     @property
     def trainer(self):
@@ -61,8 +61,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             raise
         except Exception as e:
             self.broken = f"{type(e).__name__}: {e}"
-            if self._on_broken:
-                self._on_broken()
+            if self.on_broken:
+                self.on_broken()
             raise
 
     @map_errors

@@ -56,7 +56,7 @@ def greedy_exact(model, tokenizer, rows: list[dict], completions: list[str], max
 
     hits = 0
     pad = tokenizer.pad_token_id
-    model.train(False)  # inference mode for generation (same as .eval())
+    model.train(False)  # inference mode for generation
     with torch.no_grad():
         for start in range(0, len(rows), 32):
             chunk = [

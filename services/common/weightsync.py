@@ -15,6 +15,8 @@ Both ends use this module, so sender and receiver agree by construction:
 from __future__ import annotations
 
 import math
+import os
+import socket
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -177,12 +179,45 @@ def open_group(
     )
     store = dist.PrefixStore(group_name, store)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [gloo_device(master_addr, master_port)]
+        return dist.ProcessGroupGloo(store, rank, world_size, opts)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, world_size, opts)
     raise ValueError(f"unknown weight-sync backend {backend!r} (gloo or nccl)")
+
+
+def gloo_device(master_addr: str, master_port: int):
+    """The gloo device for a group whose rank 0 is at ``master_addr``.
+
+    Gloo's default device binds the address this host's *name* resolves to, which on multi-homed
+    hosts (pods, network namespaces, nodes with several NICs) is often not the interface that
+    reaches the other members: peers then connect to an address nobody listens on and the group
+    hangs until its timeout. Bind instead the local address the kernel routes toward rank 0
+    ($GLOO_SOCKET_IFNAME, when set, still wins: the operator's explicit choice).
+    """
+    import torch.distributed as dist
+
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    if ifname:
+        return dist.ProcessGroupGloo.create_device(interface=ifname.split(",")[0])
+    return dist.ProcessGroupGloo.create_device(hostname=local_address_toward(master_addr, master_port))
+
+
+def local_address_toward(host: str, port: int) -> str:
+    """This host's address on the route to ``host`` (no packet is sent: a UDP connect only
+    asks the kernel for the route).
+
+    >>> local_address_toward("127.0.0.1", 9)
+    '127.0.0.1'
+    """
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        return s.getsockname()[0]
 
 
 def broadcast(pg, tensor: torch.Tensor, root: int = 0) -> None:

@@ -53,6 +53,12 @@ class Rollout:
     gen_tokens: int = 0
 
 
+def learner_checkpoint_path(run_dir: Path) -> str:
+    """Where the learner keeps this run's checkpoints, relative to its own ``checkpoint_dir``:
+    the learner may run on another host, so the coordinator never sends its own paths."""
+    return f"{run_dir.name}/checkpoints"
+
+
 def prompt_text(row: dict) -> str:
     return "\n".join(m["content"] for m in row["prompt"])
 
@@ -240,7 +246,7 @@ class Experiment:
         state = json.dumps(asdict(self.pos))
         await self.learner.SaveCheckpoint(
             lp.SaveCheckpointRequest(
-                path=str(self.run_dir / "checkpoints"), tag=tag, client_state_json=state
+                path=learner_checkpoint_path(self.run_dir), tag=tag, client_state_json=state
             ),
             timeout=self.deadline,
         )

@@ -20,7 +20,7 @@ from relayrl.common.security import client_channel
 from relayrl.coordinator.clients import GeneratorPool, RewardPool
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.launcher import ServiceProcess
-from relayrl.coordinator.loop import Experiment, Position
+from relayrl.coordinator.loop import Experiment, Position, learner_checkpoint_path
 from relayrl.coordinator.registry import FAILED, Handle, Registry
 from relayrl.learner.v1 import learner_pb2 as lp
 from relayrl.learner.v1 import learner_pb2_grpc as lg
@@ -29,9 +29,10 @@ logger = logging.getLogger(__name__)
 
 
 def prepare(cfg: ExperimentConfig) -> None:
-    """Build the tiny model and the task data when the config asks for them and they are missing."""
+    """Build the tiny model and the task data when the config asks for them and they are missing.
+    With deployed services the model is theirs to load, on their own hosts: not looked for here."""
     model = Path(cfg.model.path)
-    if not (model / "config.json").exists():
+    if cfg.services.embedded and not (model / "config.json").exists():
         if cfg.model.tiny is None:
             raise SystemExit(f"model folder {model} does not exist (set model.tiny to build a tiny one)")
         from relayrl.common.modelkit.sft import warm_start
@@ -94,7 +95,10 @@ class Services:
     def start_embedded(self, timeout: float = 600.0) -> None:
         c = self.cfg
         dev = c.services.generator_devices
-        learner = self._start("learner", "learner", c.learner, [], c.services.learner_devices)
+        lcfg = c.learner
+        if "checkpoint_dir" not in lcfg.model_fields_set:  # checkpoints beside the run's records
+            lcfg = lcfg.model_copy(update={"checkpoint_dir": str(self.run_dir.parent.resolve())})
+        learner = self._start("learner", "learner", lcfg, [], c.services.learner_devices)
         gens = [
             self._start(
                 f"gen-{i}",
@@ -225,7 +229,8 @@ async def drive(
     if resume:
         state = json.loads((run_dir / "checkpoints" / "coordinator.json").read_text())
         loaded = await learner.LoadCheckpoint(
-            lp.LoadCheckpointRequest(path=str(run_dir / "checkpoints"), tag=state["tag"]), timeout=deadline
+            lp.LoadCheckpointRequest(path=learner_checkpoint_path(run_dir), tag=state["tag"]),
+            timeout=deadline,
         )
         exp.pos = Position(**json.loads(loaded.client_state_json))
         exp.version = loaded.policy_version

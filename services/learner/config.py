@@ -91,5 +91,8 @@ class LearnerConfig(StrictModel):
     """Limit for generators to join the weight-sync group and for each broadcast."""
     rpc_deadline_seconds: float = Field(600.0, gt=0)
     """Deadline of the learner's own calls to generators (InitWeightSync, UpdateWeights)."""
-    checkpoint_dir: str = ""
-    """Where checkpoints go (shared by all ranks); empty: under the run folder."""
+    checkpoint_dir: str = "checkpoints"
+    """Folder on the learner's own filesystem (every rank must see it) under which relative
+    checkpoint and export paths resolve, and which an empty path means. Relative: to the
+    learner's working directory. Callers on other hosts send relative paths, so nothing
+    assumes a filesystem shared with them."""

@@ -54,7 +54,11 @@ async def serve(core, cfg: LearnerConfig, backend: str, port_file: str | None) -
         cfg.security,
     )
     servicer = LearnerServicer(
-        core, sync, int(cfg.bucket_mb * (1 << 20)), cfg.loss.max_tokens_normaliser or 0
+        core,
+        sync,
+        int(cfg.bucket_mb * (1 << 20)),
+        cfg.loss.max_tokens_normaliser or 0,
+        checkpoint_dir=cfg.checkpoint_dir,
     )
     name = learner_pb2.DESCRIPTOR.services_by_name["LearnerService"].full_name
     handle = create_server(

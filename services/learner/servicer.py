@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path, PurePosixPath
 
 from relayrl.common.rpc import (
     FailedPrecondition,
@@ -37,8 +38,10 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         bucket_bytes: int,
         max_tokens: int,
         on_broken: Callable[[], None] | None = None,
+        checkpoint_dir: str | Path = "checkpoints",
     ):
         self.core = core
+        self.checkpoint_dir = Path(checkpoint_dir).resolve()
         self.sync = sync
         self.bucket_bytes = bucket_bytes
         self.max_tokens = max_tokens
@@ -50,6 +53,18 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     @property
     def trainer(self):
         return self.core.trainer
+
+    def resolve(self, path: str) -> str:
+        """A request's path on this learner's filesystem: empty -> ``checkpoint_dir``, relative
+        -> under it (no ``..``: a caller names folders inside it, never outside), absolute as is."""
+        if not path:
+            return str(self.checkpoint_dir)
+        p = PurePosixPath(path)
+        if p.is_absolute():
+            return path
+        if ".." in p.parts:
+            raise InvalidRequest(f"path {path!r}: '..' is not allowed in a relative path")
+        return str(self.checkpoint_dir / p)
 
     async def _collective(self, fn, *args):
         """Run one collective op; an unexpected failure leaves ranks out of step: stop serving."""
@@ -133,14 +148,13 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     @map_errors
     async def SaveCheckpoint(self, request, context):
         check_no_unknown_fields(request)
-        if not request.path:
-            raise InvalidRequest("path is required")
+        path = self.resolve(request.path)
         async with self.lock:
             t0 = time.monotonic()
             tag = request.tag or f"step{self.trainer.step}"
-            await self._collective(self.core.save, request.path, tag, request.client_state_json)
+            await self._collective(self.core.save, path, tag, request.client_state_json)
             return learner_pb2.SaveCheckpointResponse(
-                path=request.path,
+                path=path,
                 tag=tag,
                 step=self.trainer.step,
                 policy_version=self.trainer.version,
@@ -150,9 +164,10 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     @map_errors
     async def LoadCheckpoint(self, request, context):
         check_no_unknown_fields(request)
+        path = self.resolve(request.path)
         async with self.lock:
             try:
-                meta = await self._collective(self.core.load, request.path, request.tag)
+                meta = await self._collective(self.core.load, path, request.tag)
             except FileNotFoundError as e:
                 raise FailedPrecondition(str(e)) from None
             self.last = None
@@ -167,12 +182,13 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     async def ExportModel(self, request, context):
         check_no_unknown_fields(request)
         if not request.path:
-            raise InvalidRequest("path is required")
+            raise InvalidRequest("path is required: the folder to export to")
+        path = self.resolve(request.path)
         async with self.lock:
             t0 = time.monotonic()
-            await self._collective(self.core.export, request.path, self.bucket_bytes)
+            await self._collective(self.core.export, path, self.bucket_bytes)
             return learner_pb2.ExportModelResponse(
-                path=request.path, policy_version=self.trainer.version, seconds=time.monotonic() - t0
+                path=path, policy_version=self.trainer.version, seconds=time.monotonic() - t0
             )
 
     @map_errors

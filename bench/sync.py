@@ -8,6 +8,11 @@ broadcast over the weight-sync group, receive and load into vLLM, answer. The ba
 ``PushWeights(transport_only)`` between the same two processes over the same group: the
 same buckets of bytes broadcast and received, nothing gathered, packed or loaded. Last line:
 ``sync_vs_raw_broadcast_ratio: X`` for the larger model (target <= 1.25).
+
+CPU seconds (user + system) of both services' process trees are read around every call. On a
+machine with C cores a push cannot take less than its CPU seconds / C of wall time however well
+gather, broadcast and load overlap; ``cpu floor`` is that bound divided by the raw broadcast,
+the best ratio this machine allows.
 """
 
 from __future__ import annotations
@@ -49,7 +54,11 @@ def measure(name: str, model: str, repeats: int, bucket_mb: float, tmp: Path) ->
         "g0",
     ]
     lrn = ["learner", "--model", model, "--world-size", "1", "--set", f"bucket_mb={bucket_mb}"]
-    with service(gen, tmp, timeout=600) as (gaddr, _), service(lrn, tmp, timeout=600) as (laddr, _):
+    with service(gen, tmp, timeout=600) as (gaddr, gproc), service(lrn, tmp, timeout=600) as (laddr, lproc):
+
+        def cpu() -> float:  # CPU seconds so far of both services, all their processes
+            return sum(sum(p.cpu_times()[:2]) for sp in (gproc, lproc) for p in sp._tree())
+
         stub = lg.LearnerServiceStub(grpc.insecure_channel(laddr))
         stub.RegisterGenerator(lp.RegisterGeneratorRequest(address=gaddr, replica_id="g0"), timeout=30)
         sample = lp.TrainSample(
@@ -61,17 +70,33 @@ def measure(name: str, model: str, repeats: int, bucket_mb: float, tmp: Path) ->
         raw = stub.PushWeights(
             lp.PushWeightsRequest(transport_only=True), timeout=600
         )  # forms the group, warms up
-        push, base = [], []
+        push, base, push_cpu, base_cpu = [], [], [], []
         for step in range(1, repeats + 2):
             stub.TrainStep(lp.TrainStepRequest(step=step, samples=[sample]), timeout=600)
+            c0 = cpu()
             r = stub.PushWeights(lp.PushWeightsRequest(version=step), timeout=600)
+            c1 = cpu()
             raw = stub.PushWeights(lp.PushWeightsRequest(transport_only=True), timeout=600)
+            c2 = cpu()
             if step > 1:  # the first push warms the load path
                 push.append(r.seconds)
                 base.append(raw.seconds)
+                push_cpu.append(c1 - c0)
+                base_cpu.append(c2 - c1)
     nbytes = r.bytes
     p, b = statistics.median(push), statistics.median(base)
-    return {"name": name, "bytes": nbytes, "push": p, "raw": b, "ratio": p / b}
+    pc, bc = statistics.median(push_cpu), statistics.median(base_cpu)
+    floor = pc / (os.cpu_count() or 1) / b
+    return {
+        "name": name,
+        "bytes": nbytes,
+        "push": p,
+        "raw": b,
+        "ratio": p / b,
+        "push_cpu": pc,
+        "raw_cpu": bc,
+        "floor": floor,
+    }
 
 
 def main() -> None:
@@ -100,13 +125,27 @@ def main() -> None:
                     f"{res['raw']:.3f}",
                     f"{gb / res['push']:.2f}",
                     f"{res['ratio']:.2f}",
+                    f"{res['push_cpu']:.2f}",
+                    f"{res['raw_cpu']:.2f}",
+                    f"{res['floor']:.2f}",
                 ]
             )
     print_table(
-        ["model", "params", "GB (fp32)", "PushWeights s", "raw broadcast s", "push GB/s", "ratio"],
+        [
+            "model",
+            "params",
+            "GB (fp32)",
+            "PushWeights s",
+            "raw broadcast s",
+            "push GB/s",
+            "ratio",
+            "push CPU s",
+            "raw CPU s",
+            "cpu floor",
+        ],
         rows,
         title=f"weight sync, learner (1 rank) -> 1 generator, gloo on loopback, buckets {args.bucket_mb} MiB, "
-        f"median of {args.repeats}",
+        f"median of {args.repeats}, {os.cpu_count()} cores",
     )
     print(f"sync_vs_raw_broadcast_ratio: {results[-1]['ratio']:.3f}")
 

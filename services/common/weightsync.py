@@ -220,6 +220,21 @@ def local_address_toward(host: str, port: int) -> str:
         return s.getsockname()[0]
 
 
+def interface_toward(host: str, port: int) -> str | None:
+    """Name of the network interface holding ``local_address_toward(host, port)``, if any.
+
+    >>> interface_toward("127.0.0.1", 9)
+    'lo'
+    """
+    import psutil
+
+    local = local_address_toward(host, port)
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == local for a in addrs):
+            return name
+    return None
+
+
 def broadcast(pg, tensor: torch.Tensor, root: int = 0) -> None:
     """Blocking broadcast of ``tensor`` from ``root`` over ``pg`` (in place on receivers)."""
     pg.broadcast(tensor, root).wait()

@@ -30,6 +30,15 @@ def init_distributed() -> str:
         # By sys.modules, not attribute access: deepspeed.comm's `torch` attribute is torch itself.
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         backend = "gloo"
+        # Gloo binds the address the host name resolves to unless told an interface: across
+        # nodes (pods, namespaces, several NICs) that is often not the one that reaches rank 0,
+        # and the training group hangs at init. Name the interface routed toward MASTER_ADDR.
+        if "GLOO_SOCKET_IFNAME" not in os.environ and "MASTER_ADDR" in os.environ:
+            from relayrl.common.weightsync import interface_toward
+
+            ifname = interface_toward(os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "29500")))
+            if ifname:
+                os.environ["GLOO_SOCKET_IFNAME"] = ifname
     deepspeed.init_distributed(dist_backend=backend)
     return backend
 

@@ -167,7 +167,8 @@ def test_the_loop_runs_across_four_hosts(model, tmp_path):
     ca = CA.create(pki)
     token = pki / "token"
     token.write_text("netns-test-token\n")
-    with hosts(["learner", "generator", "reward", "coordinator"]) as net, ExitStack() as stack:
+    names = ["learner", "learner-node1", "generator", "reward", "coordinator"]
+    with hosts(names) as net, ExitStack() as stack:
         started: dict[str, tuple[Host, str]] = {}
 
         def serve(name: str, *args: str) -> None:
@@ -175,14 +176,14 @@ def test_the_loop_runs_across_four_hosts(model, tmp_path):
             cert, key = ca.issue(name, addr)
             home = tmp_path / name
             # Each host holds its own copy of what it needs: nothing is read across hosts.
-            if name in ("learner", "generator"):
+            if name.startswith(("learner", "generator")):
                 shutil.copytree(model, home / "model")
             host = Host(
                 ns,
                 home,
                 [
                     "serve",
-                    name,
+                    name.split("-")[0],
                     *args,
                     "--host",
                     addr,
@@ -215,18 +216,30 @@ def test_the_loop_runs_across_four_hosts(model, tmp_path):
             "g0",
         )
         serve("reward", "--workers", "1")
-        serve(
-            "learner",
+        # The learner spans two hosts: one ZeRO-3 rank on each, torchrun's rendezvous on the
+        # first; only node 0 (rank 0) serves gRPC.
+        learner_args = [
             "--model",
             "model",
             "--world-size",
             "2",
+            "--nnodes",
+            "2",
+            "--master-addr",
+            net["learner"][1],
+            "--master-port",
+            "29555",
             "--set",
             f"security.ca={ca.path}",
             "--set",
             f"security.token_file={token}",
-        )
+        ]
+        serve("learner", *learner_args, "--node-rank", "0")
+        serve("learner-node1", *learner_args, "--node-rank", "1")
+        node1 = started.pop("learner-node1")[0]
         addrs = {n: f"{a}:{h.wait_port(600)}" for n, (h, a) in started.items()}
+        assert node1.proc.poll() is None, node1.tail()
+        assert not node1.port_file.exists()  # ranks other than 0 follow, they do not serve
         for n, a in addrs.items():
             assert not a.startswith("127."), f"{n} serves on loopback: {a}"
 
@@ -262,7 +275,7 @@ def test_the_loop_runs_across_four_hosts(model, tmp_path):
             timeout=900,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
-        logs = "\n".join(f"--- {n}\n{h.tail()}" for n, (h, _) in started.items())
+        logs = "\n".join(f"--- {n}\n{h.tail()}" for n, (h, _) in started.items()) + node1.tail()
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:] + logs
 
         run_dir = next((coord / "runs").glob("netns-*"))
@@ -280,3 +293,7 @@ def test_the_loop_runs_across_four_hosts(model, tmp_path):
         assert (ckpt / "step3").is_dir(), sorted(p.name for p in (tmp_path / "learner").rglob("*"))[:50]
         assert (run_dir / "checkpoints" / "coordinator.json").exists()
         assert not (run_dir / "checkpoints" / "step3").exists()
+        # Both nodes wrote their ZeRO-3 partition, at the path rank 0 resolved (checkpoint_dir
+        # is storage every learner node mounts; here both see the same disk).
+        parts = sorted(p.name for p in (ckpt / "step3").glob("*optim_states.pt"))
+        assert len(parts) == 2 and "rank_1" in parts[1], parts

@@ -10,6 +10,8 @@ makes them with deploy/make-secrets.sh and ``on_host`` points the container path
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import re
 import secrets
 import shlex
@@ -20,10 +22,11 @@ from pathlib import Path
 import pytest
 from relayrl.cli import build_parser
 from relayrl.common import healthcheck, serve_cli
+from relayrl.common.grpc_server import create_server, start
 from relayrl.coordinator.v1 import coordinator_pb2
 from relayrl.generator.v1 import generator_pb2
 from relayrl.learner.v1 import learner_pb2
-from relayrl.reward.v1 import reward_pb2
+from relayrl.reward.v1 import reward_pb2, reward_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -165,12 +168,12 @@ def healthcheck_target(argv: list[str]) -> tuple[int, str]:
 
 
 # -- secrets ----------------------------------------------------------------------------------------
-def make_secrets(out: Path, *args: str) -> subprocess.CompletedProcess:
-    """Run deploy/make-secrets.sh (skips the test where openssl is missing)."""
+def make_secrets(out: Path, *options: str, names: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run ``deploy/make-secrets.sh [OPTIONS] OUT [NAMES]`` (skips the test where openssl is missing)."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl not installed: deploy/make-secrets.sh needs it")
     return subprocess.run(
-        ["sh", str(MAKE_SECRETS), *args, str(out)], capture_output=True, text=True, timeout=60
+        ["sh", str(MAKE_SECRETS), *options, str(out), *names], capture_output=True, text=True, timeout=60
     )
 
 
@@ -246,3 +249,44 @@ def assert_probes_over_tls(argv: list[str], folder: str) -> None:
         "tls-key": f"{folder}/client.key",
         "server-name": None,  # the probe dials 127.0.0.1, which the certificate names
     }, argv
+
+
+# -- a service behind the deployments' settings ---------------------------------------------------
+class _Reward(reward_pb2_grpc.RewardServiceServicer):
+    async def Score(self, request, context):
+        return reward_pb2.ScoreResponse(
+            results=[reward_pb2.RewardResult(sample_id=i.sample_id, reward=1.0) for i in request.items]
+        )
+
+
+@contextlib.asynccontextmanager
+async def reward_server(serve, ready: bool = True):
+    """A RewardService scoring 1.0, built by the bootstrap every service uses with the access
+    settings of ``serve`` (a ``ServeConfig``), on 127.0.0.1 and a free port; yields the port."""
+    local = serve.model_copy(update={"host": "127.0.0.1", "port": 0, "metrics_port": None})
+    handle = create_server(
+        lambda s: reward_pb2_grpc.add_RewardServiceServicer_to_server(_Reward(), s),
+        FULL_NAME["reward"],
+        local,
+    )
+    await start(handle, ready=ready)
+    try:
+        yield handle.port
+    finally:
+        await handle.stop(0)
+
+
+async def score(channel) -> float:
+    """One Score call through ``channel`` (grpc.aio); the reward it got."""
+    resp = await reward_pb2_grpc.RewardServiceStub(channel).Score(
+        reward_pb2.ScoreRequest(items=[reward_pb2.RewardInput(sample_id="a")]), timeout=10
+    )
+    return resp.results[0].reward
+
+
+async def run_probe(argv: list[str], port: int) -> int:
+    """Run a deployment's health-check command against ``port`` on this machine, in a thread, so
+    the event loop serving the service keeps answering."""
+    i = argv.index("relayrl.common.healthcheck")
+    args = [re.sub(r"^127\.0\.0\.1:\d+$", f"127.0.0.1:{port}", a) for a in argv[i + 1 :]]
+    return await asyncio.to_thread(healthcheck.main, args)

@@ -19,8 +19,10 @@ import grpc
 import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from relayrl.common import security
 from relayrl.common.config import ConfigError
 from relayrl.common.healthcheck import main as healthcheck_main
+from relayrl.common.serving import ClientSecurity
 from relayrl.coordinator.config import load_experiment
 
 from tests.deploy_checks import (  # the token-env fixture applies to every test here
@@ -41,6 +43,9 @@ from tests.deploy_checks import (  # the token-env fixture applies to every test
     make_secrets_dir,
     on_host,
     relayrl_invocations,
+    reward_server,
+    run_probe,
+    score,
     secret_paths,
 )
 
@@ -316,6 +321,35 @@ def test_compose_service_serves_calls_and_probes_with_tls_from_secrets(name, sec
     assert used <= mounted_secrets(svc), (
         f"{name} names secrets it does not mount: {used - mounted_secrets(svc)}"
     )
+
+
+async def test_compose_wiring_end_to_end(secrets_dir):
+    """The reward service as compose starts it (its access settings, on the secrets make-secrets.sh
+    made) answers its compose health check, and the coordinator's and the learner's client settings
+    reach it under every name they dial."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed: no real certificates to serve with")
+    compose = load_compose()
+    svc, argv, _args, _config = compose_relayrl(compose, "reward", secrets_dir)
+    _args, served = check_cli(on_host(argv, COMPOSE_SECRETS, secrets_dir))
+    exp = load_experiment(COMPOSE_DIR / "experiment.yaml").services
+    learner = compose_relayrl(compose, "learner", secrets_dir)[3].security
+
+    def here(sec: ClientSecurity) -> ClientSecurity:
+        return ClientSecurity(**{k: v and on_host([v], COMPOSE_SECRETS, secrets_dir)[0] for k, v in sec})
+
+    callers = [
+        (here(exp.security), a.rsplit(":", 1)[0]) for a in [*exp.generators, *exp.rewards, exp.learner]
+    ]
+    callers.append((here(learner), exp.generators[0].rsplit(":", 1)[0]))  # weight-sync control
+    async with reward_server(served.serve) as port:
+        assert (
+            await run_probe(on_host(svc["healthcheck"]["test"][1:], COMPOSE_SECRETS, secrets_dir), port) == 0
+        )
+        for sec, host in callers:
+            name = [("grpc.ssl_target_name_override", host)]
+            async with security.client_channel(f"127.0.0.1:{port}", sec, options=name) as ch:
+                assert await score(ch) == 1.0, host
 
 
 def test_compose_secrets_are_the_files_make_secrets_writes():

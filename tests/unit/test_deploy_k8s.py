@@ -1,9 +1,13 @@
 """Kubernetes (deploy/k8s): overlays rendered (``kubectl kustomize`` when present, else the small
 renderer here, compared with kubectl where both exist) and validated strictly with
-``kubernetes-validate`` against a pinned Kubernetes version."""
+``kubernetes-validate`` against a pinned Kubernetes version. Every service serves TLS, asks for a
+client certificate and the token, and is probed over TLS; every caller trusts the CA and sends the
+token; all from the Secrets mounted at /run/secrets/relayrl, which deploy/k8s/secrets (from
+deploy/make-secrets.sh's files) or cert-manager makes."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import shlex
 import shutil
@@ -12,23 +16,51 @@ from pathlib import Path
 
 import pytest
 import yaml
+from relayrl.common import security
+from relayrl.common.serving import ClientSecurity
 from relayrl.coordinator.config import load_experiment
 
 from tests.deploy_checks import (  # the token-env fixture applies to every test here
     FULL_NAME,
     K8S,
+    K8S_SECRETS,
     K8S_VERSION,
     KIDS,
     KUSTOMIZATIONS,
     OVERLAYS,
     ROOT,
+    SECRET_FILES,
     _no_token_env,  # noqa: F401
+    assert_calls_with,
+    assert_probes_over_tls,
+    assert_serves_tls_from,
     check_cli,
+    container_config,
     expand,
     flag,
+    healthcheck_args,
     healthcheck_target,
+    make_secrets,
+    make_secrets_dir,
+    on_host,
     relayrl_invocations,
+    reward_server,
+    run_probe,
+    score,
+    secret_paths,
 )
+
+# The Secrets the pods mount and the keys each holds (cert-manager's names for certificates).
+SECRET_KEYS = {
+    "relayrl-tls": {"tls.crt", "tls.key", "ca.crt"},
+    "relayrl-client-tls": {"tls.crt", "tls.key", "ca.crt"},
+    "relayrl-token": {"token"},
+}
+
+
+@pytest.fixture(scope="module")
+def secrets_dir(tmp_path_factory) -> Path:
+    return make_secrets_dir(tmp_path_factory)
 
 
 # -- Kubernetes -------------------------------------------------------------------------------------
@@ -106,7 +138,10 @@ def _folder(name: str) -> Path:
 
 
 def render(name: str) -> list[dict]:
-    folder = _folder(name)
+    return render_folder(_folder(name))
+
+
+def render_folder(folder: Path) -> list[dict]:
     if shutil.which("kubectl"):
         out = subprocess.run(
             ["kubectl", "kustomize", str(folder)], capture_output=True, text=True, timeout=120, check=True
@@ -211,10 +246,10 @@ def workload_commands(docs: list[dict]):
 
 
 @pytest.mark.parametrize("overlay", KUSTOMIZATIONS, ids=KIDS)
-def test_k8s_commands_parse_with_the_cli(overlay, rendered):
+def test_k8s_commands_parse_with_the_cli(overlay, rendered, secrets_dir):
     seen = set()
     for doc, c, argv in workload_commands(rendered[overlay]):
-        args, config = check_cli(argv)
+        args, config = check_cli(on_host(argv, K8S_SECRETS, secrets_dir))
         if args.command == "serve":
             seen.add(args.service)
             assert config.serve.host == "0.0.0.0"
@@ -228,37 +263,180 @@ def test_k8s_commands_parse_with_the_cli(overlay, rendered):
     assert seen == {"reward", "generator", "learner", "coordinator", "model"}
 
 
-def _serve(doc: dict) -> tuple[dict, list[str], object]:
+def _serve(doc: dict, secrets: Path) -> tuple[dict, list[str], object]:
+    """(container, relayrl argv, config with the container's paths) of a workload's server; the
+    command passes the start-up check with the secret files in ``secrets``."""
     (c,) = [c for c in doc["spec"]["template"]["spec"]["containers"]]
     (argv,) = relayrl_invocations(c["command"])
-    return c, expand(argv, _env_values(doc, c)), check_cli(expand(argv, _env_values(doc, c)))[1]
+    argv = expand(argv, _env_values(doc, c))
+    check_cli(on_host(argv, K8S_SECRETS, secrets))
+    return c, argv, container_config(argv)
+
+
+SERVERS = ("generator", "reward", "coordinator", "learner")
+PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
+
+
+def _workloads(docs: list[dict]) -> dict[str, dict]:
+    return {**by_kind(docs, "Deployment"), **by_kind(docs, "StatefulSet")}
+
+
+def probe_argv(c: dict, probe: str) -> list[str]:
+    """The health check a probe runs: the learner's pods other than pod 0 skip it (only pod 0
+    serves gRPC), through a shell; the others run it directly."""
+    command = c[probe]["exec"]["command"]
+    if command[:2] == ["sh", "-c"]:
+        assert command[2].startswith('test "$POD_INDEX" != 0 || exec python'), command
+        return shlex.split(command[2].split("exec ", 1)[1])
+    return command
 
 
 @pytest.mark.parametrize("overlay", KUSTOMIZATIONS, ids=KIDS)
-def test_k8s_grpc_probes(overlay, rendered):
+def test_k8s_probes_check_grpc_health_over_tls(overlay, rendered, secrets_dir):
+    """Kubernetes' grpc: probe speaks plaintext only: with TLS on, every probe runs the Python one,
+    live ("") for startup and liveness, the service's full name for readiness."""
+    workloads = _workloads(rendered[overlay])
+    for name in SERVERS:
+        c, _argv, config = _serve(workloads[name], secrets_dir)
+        for probe in PROBES:
+            assert set(c[probe]) & {"grpc", "tcpSocket", "httpGet"} == set(), f"{name} {probe}: not over TLS"
+            argv = probe_argv(c, probe)
+            service = FULL_NAME[name] if probe == "readinessProbe" else ""
+            assert healthcheck_target(argv) == (config.serve.port, service), (name, probe)
+            assert_probes_over_tls(argv, K8S_SECRETS)
+            # Kubernetes kills an exec probe at timeoutSeconds: leave room for Python to start.
+            assert c[probe]["timeoutSeconds"] >= healthcheck_args(argv).timeout + 2, (name, probe)
+
+
+def _secret_volume(pod: dict, container: dict, mount_path: str) -> dict[str, tuple[str, str]]:
+    """Files of the projected Secrets volume ``container`` mounts at ``mount_path``:
+    path in the container -> (Secret, key)."""
+    (mount,) = [m for m in container.get("volumeMounts", []) if m["mountPath"] == mount_path]
+    assert mount.get("readOnly") is True, f"{mount_path} must be mounted read-only"
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    files = {}
+    for source in volume["projected"]["sources"]:
+        secret = source["secret"]
+        assert secret["name"] in SECRET_KEYS, f"unknown Secret {secret['name']}"
+        for item in secret["items"]:
+            assert item["key"] in SECRET_KEYS[secret["name"]], (secret["name"], item["key"])
+            files[f"{mount_path}/{item['path']}"] = (secret["name"], item["key"])
+    return files
+
+
+@pytest.mark.parametrize("overlay", KUSTOMIZATIONS, ids=KIDS)
+def test_k8s_services_serve_and_call_with_tls_from_mounted_secrets(overlay, rendered, secrets_dir):
+    workloads = _workloads(rendered[overlay])
+    for name in SERVERS:
+        pod = _pod_spec(workloads[name])
+        c, argv, config = _serve(workloads[name], secrets_dir)
+        assert_serves_tls_from(config, K8S_SECRETS)
+        if name == "learner":  # rank 0 calls the generators (weight-sync control)
+            assert_calls_with(config.security, K8S_SECRETS)
+        files = _secret_volume(pod, c, K8S_SECRETS)
+        used = secret_paths(argv).union(*(secret_paths(probe_argv(c, p)) for p in PROBES))
+        assert used <= files.keys(), f"{name} names secrets it does not mount: {used - files.keys()}"
+        # The server's own certificate, key and CA come from one Secret (one cert-manager Certificate).
+        assert {files[f"{K8S_SECRETS}/{f}"][0] for f in ("tls.crt", "tls.key", "ca.crt")} == {"relayrl-tls"}
+        assert files[f"{K8S_SECRETS}/client.crt"] == ("relayrl-client-tls", "tls.crt")
+        assert files[f"{K8S_SECRETS}/client.key"] == ("relayrl-client-tls", "tls.key")
+        assert files[f"{K8S_SECRETS}/token"] == ("relayrl-token", "token")
+        # 0440 read through the pod's group: the files belong to root and to fsGroup.
+        assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+        (volume,) = [v for v in pod["volumes"] if "projected" in v]
+        assert volume["projected"]["defaultMode"] == 0o440
+
+
+@pytest.mark.parametrize("overlay", KUSTOMIZATIONS, ids=KIDS)
+def test_k8s_experiment_calls_with_the_mounted_client_secrets(overlay, rendered, tmp_path):
+    """The coordinator and a run Job call the services with services.security: the CA, the client
+    certificate and the token, mounted in both; the Job holds no server key."""
     docs = rendered[overlay]
-    workloads = {**by_kind(docs, "Deployment"), **by_kind(docs, "StatefulSet")}
-    for name in ("generator", "reward", "coordinator"):
-        c, _argv, config = _serve(workloads[name])
-        port = config.serve.port
-        assert c["readinessProbe"]["grpc"] == {"port": port, "service": FULL_NAME[name]}
-        for probe in ("livenessProbe", "startupProbe"):
-            assert c[probe]["grpc"].get("service", "") == "" and c[probe]["grpc"]["port"] == port
-    # The learner: only pod 0 serves gRPC, so the same checks run through the Python probe there.
-    c, _argv, config = _serve(workloads["learner"])
-    for probe, service in (
-        ("readinessProbe", FULL_NAME["learner"]),
-        ("livenessProbe", ""),
-        ("startupProbe", ""),
-    ):
-        script = c[probe]["exec"]["command"]
-        assert script[:2] == ["sh", "-c"] and script[2].startswith('test "$POD_INDEX" != 0 || exec python')
-        argv = shlex.split(script[2].split("exec ", 1)[1])
-        assert healthcheck_target(argv) == (config.serve.port, service)
+    cm = by_kind(docs, "ConfigMap")["relayrl-experiment"]
+    (tmp_path / "experiment.yaml").write_text(cm["data"]["experiment.yaml"])
+    sec = load_experiment(tmp_path / "experiment.yaml").services.security
+    assert_calls_with(sec, K8S_SECRETS)
+    needed = {sec.ca, sec.cert, sec.key, sec.token_file}
+    coord = by_kind(docs, "Deployment")["coordinator"]
+    (job,) = [d for d in yaml.safe_load_all((K8S / "jobs" / "run-experiment.yaml").read_text()) if d]
+    for pod in (_pod_spec(coord), _pod_spec(job)):
+        files = _secret_volume(pod, pod["containers"][0], K8S_SECRETS)
+        assert needed <= files.keys()
+    assert f"{K8S_SECRETS}/tls.key" not in _secret_volume(
+        _pod_spec(job), _pod_spec(job)["containers"][0], K8S_SECRETS
+    )
+
+
+async def test_k8s_wiring_end_to_end(rendered, secrets_dir, tmp_path):
+    """The reward service as its pod starts it (its access settings, on the secrets make-secrets.sh
+    made) passes its readiness probe, and the coordinator's and the learner's client settings reach
+    it under every name they dial (each generator replica's stable name included)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed: no real certificates to serve with")
+    workloads = _workloads(rendered["cpu"])
+    c, argv, _config = _serve(workloads["reward"], secrets_dir)
+    _args, served = check_cli(on_host(argv, K8S_SECRETS, secrets_dir))
+    cm = by_kind(rendered["cpu"], "ConfigMap")["relayrl-experiment"]
+    (tmp_path / "experiment.yaml").write_text(cm["data"]["experiment.yaml"])
+    exp = load_experiment(tmp_path / "experiment.yaml").services
+    learner = _serve(workloads["learner"], secrets_dir)[2].security
+
+    def here(sec: ClientSecurity) -> ClientSecurity:
+        return ClientSecurity(**{k: v and on_host([v], K8S_SECRETS, secrets_dir)[0] for k, v in sec})
+
+    hosts = [a.rsplit(":", 1)[0] for a in [*exp.generators, *exp.rewards, exp.learner]]
+    callers = [(here(exp.security), h) for h in [*hosts, "coordinator"]]
+    callers.append((here(learner), "generator-7.generator-headless"))  # after scaling to 8 replicas
+    async with reward_server(served.serve) as port:
+        probe = on_host(probe_argv(c, "readinessProbe"), K8S_SECRETS, secrets_dir)
+        assert await run_probe(probe, port) == 0
+        for sec, host in callers:
+            name = [("grpc.ssl_target_name_override", host)]
+            async with security.client_channel(f"127.0.0.1:{port}", sec, options=name) as ch:
+                assert await score(ch) == 1.0, host
+
+
+def test_k8s_secrets_kustomization_makes_the_secrets_the_pods_mount(tmp_path, kv):
+    """deploy/k8s/secrets with make-secrets.sh's files: the three Secrets, their keys, valid."""
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl not installed: the fallback renderer has no secretGenerator")
+    folder = tmp_path / "secrets"
+    shutil.copytree(K8S / "secrets", folder)
+    run = make_secrets(folder)
+    assert run.returncode == 0, run.stderr
+    docs = render_folder(folder)
+    secrets = by_kind(docs, "Secret")
+    assert {n: set(d["data"]) for n, d in secrets.items()} == SECRET_KEYS
+    for doc in docs:
+        kv.validate(doc, K8S_VERSION, strict=True)
+    assert secrets["relayrl-tls"]["type"] == secrets["relayrl-client-tls"]["type"] == "kubernetes.io/tls"
+    data = lambda name, key: base64.b64decode(secrets[name]["data"][key])  # noqa: E731
+    assert data("relayrl-tls", "tls.key") == (folder / "tls.key").read_bytes()
+    assert data("relayrl-client-tls", "tls.crt") == (folder / "client.crt").read_bytes()
+    assert data("relayrl-token", "token") == (folder / "token").read_bytes()
+    assert not any((K8S / "secrets" / f).exists() for f in SECRET_FILES), "secret files in the repository"
+
+
+def test_k8s_cert_manager_example_fills_the_same_secrets(rendered, tmp_path):
+    docs = [d for d in yaml.safe_load_all((K8S / "secrets" / "cert-manager.yaml").read_text()) if d]
+    certs = {d["spec"]["secretName"]: d["spec"] for d in docs if d["kind"] == "Certificate"}
+    assert {"relayrl-tls", "relayrl-client-tls"} <= certs.keys()
+    assert "server auth" in certs["relayrl-tls"]["usages"]
+    assert "client auth" in certs["relayrl-client-tls"]["usages"]
+    issuers = {d["metadata"]["name"] for d in docs if d["kind"] == "Issuer"}
+    for spec in certs.values():
+        assert spec["issuerRef"]["name"] in issuers
+    # The server certificate names every host the experiment dials, and 127.0.0.1 for the probes.
+    cm = by_kind(rendered["base"], "ConfigMap")["relayrl-experiment"]
+    (tmp_path / "experiment.yaml").write_text(cm["data"]["experiment.yaml"])
+    exp = load_experiment(tmp_path / "experiment.yaml").services
+    hosts = {a.rsplit(":", 1)[0] for a in [*exp.generators, *exp.rewards, exp.learner]}
+    assert hosts | {"coordinator"} <= set(certs["relayrl-tls"]["dnsNames"])
+    assert "127.0.0.1" in certs["relayrl-tls"]["ipAddresses"]
 
 
 @pytest.mark.parametrize("overlay", KUSTOMIZATIONS, ids=KIDS)
-def test_k8s_learner_statefulset_and_rendezvous(overlay, rendered):
+def test_k8s_learner_statefulset_and_rendezvous(overlay, rendered, secrets_dir):
     docs = rendered[overlay]
     sts = by_kind(docs, "StatefulSet")["learner"]
     services = by_kind(docs, "Service")
@@ -267,7 +445,7 @@ def test_k8s_learner_statefulset_and_rendezvous(overlay, rendered):
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
     assert headless["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
     assert sts["spec"]["podManagementPolicy"] == "Parallel"  # pod 0 is not ready until all ranks joined
-    c, argv, config = _serve(sts)
+    c, argv, config = _serve(sts, secrets_dir)
     raw = relayrl_invocations(c["command"])[0]
     assert flag(raw, "--node-rank") == "$(POD_INDEX)"
     assert _env_values(sts, c)["POD_INDEX"] == "0"
@@ -283,13 +461,13 @@ def test_k8s_learner_statefulset_and_rendezvous(overlay, rendered):
 
 
 @pytest.mark.parametrize("overlay", KUSTOMIZATIONS, ids=KIDS)
-def test_k8s_generators_and_experiment(overlay, rendered, tmp_path):
+def test_k8s_generators_and_experiment(overlay, rendered, tmp_path, secrets_dir):
     docs = rendered[overlay]
     sts = by_kind(docs, "StatefulSet")["generator"]
     services = by_kind(docs, "Service")
     headless = services[sts["spec"]["serviceName"]]
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
-    _c, _argv, gen = _serve(sts)
+    _c, _argv, gen = _serve(sts, secrets_dir)
     cm = by_kind(docs, "ConfigMap")["relayrl-experiment"]
     (tmp_path / "experiment.yaml").write_text(cm["data"]["experiment.yaml"])
     exp = load_experiment(tmp_path / "experiment.yaml")
@@ -303,7 +481,7 @@ def test_k8s_generators_and_experiment(overlay, rendered, tmp_path):
         host, port = addr.rsplit(":", 1)
         assert host == name and int(port) in {p["port"] for p in services[name]["spec"]["ports"]}
         workload = {**by_kind(docs, "Deployment"), **by_kind(docs, "StatefulSet")}[name]
-        assert _serve(workload)[2].serve.port == int(port)
+        assert _serve(workload, secrets_dir)[2].serve.port == int(port)
     coord = by_kind(docs, "Deployment")["coordinator"]
     mounts = {
         m["mountPath"]: m["name"] for m in coord["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]

@@ -17,9 +17,9 @@
 # Server names: the compose service names (reward, generator, learner, coordinator), the Kubernetes
 # ones (the Services reward, learner, coordinator and each generator replica's stable name
 # generator-<i>.generator-headless, i < --generators), and loopback (localhost, 127.0.0.1, ::1:
-# health probes and ports published on the host). gRPC matches no wildcard for a name with a single
-# label after the `*`, hence the generator names one by one. Other names (a namespace-qualified
-# name, an ingress host, an IP) go after OUT_DIR.
+# health probes and ports published on the host). gRPC treats a wildcard with one label after the
+# `*` (*.generator-headless) as invalid ("Invalid toplevel subdomain"), hence the generator names
+# one by one. Other names (a namespace-qualified name, an ingress host, an IP) go after OUT_DIR.
 #
 # It refuses to overwrite an existing set (running services would distrust each other half-way
 # through a rotation): --force replaces every file. Services read their files once at start; restart
@@ -38,7 +38,7 @@ while [ $# -gt 0 ]; do
         --days) [ $# -ge 2 ] || usage; days=$2; shift 2 ;;
         --generators) [ $# -ge 2 ] || usage; generators=$2; shift 2 ;;
         --force) force=1; shift ;;
-        -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         --) shift; break ;;
         -*) echo "make-secrets.sh: unknown option $1" >&2; usage ;;
         *) break ;;

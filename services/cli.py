@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     data_cli.add_parser(sub)
     serve_cli.add_parser(sub)
     coordinator_cli.add_parser(sub)
+    coordinator_cli.add_launch_parser(sub)
     coordinator_cli.add_client_parsers(sub)
     return parser
 

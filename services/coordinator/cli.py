@@ -16,23 +16,58 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("launch", help="run an experiment with its services on a cluster manager")
+    sub = p.add_subparsers(dest="backend", required=True, metavar="BACKEND")
+    r = sub.add_parser(
+        "ray",
+        help="services as Ray actors in placement groups (ray.address: a cluster; none: a private one)",
+    )
+    r.add_argument("experiment", nargs="?", help="experiment YAML (not needed with --resume)")
+    r.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="override a config field")
+    r.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    r.add_argument("--address", help="Ray cluster to join (the same as --set ray.address=...)")
+    r.set_defaults(func=launch_ray, command="launch ray")
+
+
+def _experiment(args: argparse.Namespace, overrides: list[str]):
+    """The config to run, and the run folder to resume (or None)."""
     from relayrl.coordinator.config import load_experiment
-    from relayrl.coordinator.run import run as run_experiment
 
     if args.resume:
         run_dir = Path(args.resume)
         if not (run_dir / "config.yaml").exists():
-            raise SystemExit(f"relayrl run --resume: {run_dir} has no config.yaml (not a run folder)")
+            raise SystemExit(
+                f"relayrl {args.command} --resume: {run_dir} has no config.yaml (not a run folder)"
+            )
         if not (run_dir / "checkpoints" / "coordinator.json").exists():
-            raise SystemExit(f"relayrl run --resume: {run_dir} has no checkpoint yet")
-        cfg = load_experiment(run_dir / "config.yaml", args.set)
-        run_experiment(cfg, resume_dir=run_dir)
-        return 0
+            raise SystemExit(f"relayrl {args.command} --resume: {run_dir} has no checkpoint yet")
+        return load_experiment(run_dir / "config.yaml", overrides), run_dir
     if not args.experiment:
-        raise SystemExit("relayrl run: give an experiment file, or --resume RUN_DIR")
-    cfg = load_experiment(args.experiment, args.set)
-    run_experiment(cfg)
+        raise SystemExit(f"relayrl {args.command}: give an experiment file, or --resume RUN_DIR")
+    return load_experiment(args.experiment, overrides), None
+
+
+def run(args: argparse.Namespace) -> int:
+    from relayrl.coordinator.run import run as run_experiment
+
+    cfg, resume_dir = _experiment(args, args.set)
+    run_experiment(cfg, resume_dir=resume_dir)
+    return 0
+
+
+def ray_overrides(args: argparse.Namespace) -> list[str]:
+    """``--set`` items, then ``--address`` as ``ray.address`` (quoted: ``1:2`` is a number to YAML)."""
+    import json
+
+    return [*args.set, *([f"ray.address={json.dumps(args.address)}"] if args.address else [])]
+
+
+def launch_ray(args: argparse.Namespace) -> int:
+    cfg, resume_dir = _experiment(args, ray_overrides(args))
+    from relayrl.coordinator.ray_launch import launch
+
+    launch(cfg, resume_dir=resume_dir)
     return 0
 
 

@@ -18,23 +18,23 @@ from pathlib import Path
 class ServiceProcess:
     """One ``relayrl serve`` process."""
 
-    def __init__(self, name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        entry: list[str] | None = None,
+    ):
+        """``entry`` replaces ``relayrl serve`` as the program ``args`` go to (a learner rank that
+        a Ray actor starts without torchrun: ``[python, -m, relayrl.learner.rank]``)."""
         self.name = name
         log_dir.mkdir(parents=True, exist_ok=True)
         self.port_file = log_dir / f"{name}.port"
         self.port_file.unlink(missing_ok=True)
         self.log_path = log_dir / f"{name}.log"
-        self.command = [
-            sys.executable,
-            "-m",
-            "relayrl.cli",
-            "--log-level",
-            "INFO",
-            "serve",
-            *args,
-            "--port-file",
-            str(self.port_file),
-        ]
+        entry = entry or [sys.executable, "-m", "relayrl.cli", "--log-level", "INFO", "serve"]
+        self.command = [*entry, *args, "--port-file", str(self.port_file)]
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             self.command,
@@ -45,13 +45,13 @@ class ServiceProcess:
         )
         self.address: str | None = None
 
-    def wait_ready(self, timeout: float) -> str:
-        """Block until the service wrote its port; returns ``127.0.0.1:PORT``."""
+    def wait_ready(self, timeout: float, host: str = "127.0.0.1") -> str:
+        """Block until the service wrote its port; returns ``HOST:PORT`` (the address callers dial)."""
         deadline = time.monotonic() + timeout
         while True:
             text = self.port_file.read_text().strip() if self.port_file.exists() else ""
             if text:
-                self.address = f"127.0.0.1:{text}"
+                self.address = f"[{host}]:{text}" if ":" in host else f"{host}:{text}"
                 return self.address
             if self.proc.poll() is not None:
                 raise RuntimeError(

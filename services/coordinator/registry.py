@@ -57,8 +57,12 @@ class Handle:
 
 
 class Registry:
-    def __init__(self) -> None:
+    def __init__(self, services_factory: Callable | None = None) -> None:
+        """``services_factory(cfg, run_dir)`` builds what starts and stops the services of a run
+        without addresses (default ``run.Services``: local processes; ``relayrl launch ray``: Ray
+        actors)."""
         self.experiments: dict[str, Handle] = {}
+        self.services_factory = services_factory
 
     def get(self, run_id: str) -> Handle | None:
         return self.experiments.get(run_id)
@@ -83,7 +87,7 @@ class Registry:
     async def _execute(self, h: Handle, resume: bool, on_record) -> None:
         from relayrl.coordinator.run import Services, drive, plot, prepare
 
-        services = Services(h.cfg, h.run_dir)
+        services = (self.services_factory or Services)(h.cfg, h.run_dir)
 
         def record(rec: dict) -> None:
             metrics.observe(h.run_id, rec)

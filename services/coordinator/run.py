@@ -251,12 +251,14 @@ def coordinator_address_file(cfg: ExperimentConfig) -> Path:
     return Path(cfg.runs_dir) / "coordinator.addr"
 
 
-async def _run_and_serve(cfg: ExperimentConfig, resume_dir: Path | None, show) -> Handle:
+async def _run_and_serve(
+    cfg: ExperimentConfig, resume_dir: Path | None, show, services_factory=None
+) -> Handle:
     """Serve CoordinatorService (for ``relayrl status/stop/list``) while the experiment runs."""
     from relayrl.common.grpc_server import start_metrics_server
     from relayrl.coordinator.server import build
 
-    registry = Registry()
+    registry = Registry(services_factory)
     handle_srv = build(registry)  # loopback, a free port
     await handle_srv.server.start()
     start_metrics_server(cfg.services.metrics_port, cfg.services.metrics_host)
@@ -279,11 +281,12 @@ async def _run_and_serve(cfg: ExperimentConfig, resume_dir: Path | None, show) -
             addr_file.unlink(missing_ok=True)
 
 
-def run(cfg: ExperimentConfig, resume_dir: Path | None = None) -> Path:
-    """``relayrl run``: returns the run folder; exits non-zero with the reason if the run failed."""
+def run(cfg: ExperimentConfig, resume_dir: Path | None = None, services_factory=None) -> Path:
+    """``relayrl run``: returns the run folder; exits non-zero with the reason if the run failed.
+    ``services_factory``: see ``Registry`` (``relayrl launch ray`` passes its own)."""
     show, close = _progress(cfg.schedule.steps, 0)
     try:
-        h = asyncio.run(_run_and_serve(cfg, resume_dir, show))
+        h = asyncio.run(_run_and_serve(cfg, resume_dir, show, services_factory))
     finally:
         close()
     evals = [r["eval_accuracy"] for r in h.records if "eval_accuracy" in r]

@@ -1,0 +1,349 @@
+"""``relayrl launch ray``: an experiment whose services run as Ray actors on a Ray cluster.
+
+Flow: join the cluster (``ray.address``; none: a private one-node instance on loopback) -> reserve
+two placement groups (``ray_plan.plan``: one bundle per learner rank, one per generator and
+reward replica) -> one ``ServiceHost`` actor per bundle -> number the learner ranks from where
+their bundles landed (``ray_plan.assign_ranks``) and start one DeepSpeed rank per actor, rank 0
+serving gRPC; start ``relayrl serve generator|reward`` in the other actors, bound to their node's
+IP -> collect the announced addresses -> the coordinator loop runs in this process exactly as
+``relayrl run`` does (progress, ``relayrl status``, metrics, checkpoints) -> stop the processes,
+kill the actors and remove the placement groups, however the run ends (Ctrl-C included).
+
+Why one actor per rank rather than one torchrun per node: a bundle per rank is what Ray schedules
+well (PACK spills ranks onto a second node when one is full, unevenly if need be, which torchrun's
+equal ``--nproc-per-node`` cannot express), Ray then is the agent that watches every rank, and
+each rank is a direct child of its actor, so it dies with it. What torchrun would do is kept: the
+same environment per rank, and when one rank dies the others are stopped (``_watch``), so rank 0
+stops serving and the run fails with the reason instead of hanging in a collective.
+
+The run folder gets, beside what ``relayrl run`` writes, ``ray.json``: the placement groups
+(bundles, strategy, the node of each bundle, their final state) and where each service ran.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+from relayrl.common import config as cfg_mod
+from relayrl.coordinator.config import ExperimentConfig, RaySection
+from relayrl.coordinator.ray_plan import GroupPlan, Slot, assign_ranks, needs, plan
+from relayrl.coordinator.run import Services
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE = 30.0
+
+
+def init_ray(r: RaySection) -> None:
+    """Join the configured cluster, or start a private one-node instance on loopback."""
+    if r.address is None:
+        # A private instance is never joined by other nodes: Ray's one-machine mode keeps every
+        # address on loopback, so the services need no TLS (read when ray is imported).
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    kw = {"namespace": r.namespace, "runtime_env": {"env_vars": dict(r.env)} if r.env else None}
+    if r.address is None:
+        ray.init(address="local", num_cpus=r.num_cpus, num_gpus=r.num_gpus, include_dashboard=False, **kw)
+    else:
+        ray.init(address=r.address, **kw)
+
+
+class RayServices(Services):
+    """The services of one run as Ray actors in placement groups (the ``Services`` interface:
+    ``start_embedded`` fills the addresses, ``stop`` tears everything down, idempotently)."""
+
+    def __init__(self, cfg: ExperimentConfig, run_dir: Path):
+        super().__init__(cfg, run_dir)
+        self.hosts: dict[str, object] = {}  # name -> actor handle
+        self.ranks: list[str] = []  # learner host names, rank order
+        self.pgs: list[tuple[GroupPlan, object]] = []
+        self.record: dict = {"placement_groups": [], "services": {}}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+
+    # -- start ----------------------------------------------------------------------------------
+    def start_embedded(self, timeout: float | None = None) -> None:
+        import ray
+
+        c = self.cfg
+        deadline = time.monotonic() + (timeout or c.ray.start_timeout_seconds)
+        gpus = c.ray.accelerator == "gpu" or (
+            c.ray.accelerator == "auto" and ray.cluster_resources().get("GPU", 0) > 0
+        )
+        self._reserve(plan(c, gpus, self.run_dir.name), deadline)
+        roles = [(role, pg, i, g.bundles[i]) for g, pg in self.pgs for i, role in enumerate(g.roles)]
+        for role, pg, i, bundle in roles:
+            self._actor(role, pg, i, bundle)
+        with self._lock:
+            hosts = list(self.hosts.items())
+        where = dict(zip([n for n, _ in hosts], ray.get([h.where.remote() for _, h in hosts]), strict=True))
+        for g, _pg in self.pgs:
+            entry = next(e for e in self.record["placement_groups"] if e["name"] == g.name)
+            entry["bundle_nodes"] = [where[role]["ip"] for role in g.roles]
+        self._start_learner(self.pgs[0][0], where)
+        for i in range(c.services.generator_replicas):
+            self._start_service(f"gen-{i}", "generator", c.generator, where, ["--replica-id", f"gen-{i}"])
+        for i in range(c.services.reward_replicas):
+            self._start_service(f"reward-{i}", "reward", c.reward, where, [])
+        self._wait_serving(where, deadline)
+        self._write_record()
+        threading.Thread(target=self._watch, name="ray-learner-watch", daemon=True).start()
+
+    def _reserve(self, groups: list[GroupPlan], deadline: float) -> None:
+        import ray
+        from ray.util.placement_group import placement_group, placement_group_table
+
+        want, have = needs(groups), ray.cluster_resources()
+        if any(have.get(k, 0.0) < v for k, v in want.items()):
+            has = {k: have.get(k, 0.0) for k in want}
+            print(
+                f"ray: the run needs {want}, the cluster has {has}: waiting (an autoscaler may add nodes)",
+                flush=True,
+            )
+        for g in groups:
+            with self._lock:
+                if self._stopping.is_set():
+                    raise RuntimeError("stopped while starting")
+                pg = placement_group(g.bundles, strategy=g.strategy, name=g.name)
+                self.pgs.append((g, pg))
+        for g, pg in self.pgs:
+            while not pg.wait(timeout_seconds=1):
+                if self._stopping.is_set():
+                    raise RuntimeError("stopped while starting")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"placement group {g.name} ({len(g.bundles)} bundles {g.bundles[0]}..., "
+                        f"{g.strategy}) not placed within {self.cfg.ray.start_timeout_seconds:.0f}s: the "
+                        f"run needs {needs(groups)}, the cluster has {ray.cluster_resources()}"
+                    )
+            table = placement_group_table(pg)
+            self.record["placement_groups"].append(
+                {
+                    "name": g.name,
+                    "id": pg.id.hex(),
+                    "strategy": g.strategy,
+                    "bundles": g.bundles,
+                    "roles": g.roles,
+                    "bundle_node_ids": [table["bundles_to_node_id"][i] for i in range(len(g.bundles))],
+                }
+            )
+            print(f"ray: placement group {g.name}: {len(g.bundles)} bundles, {g.strategy}", flush=True)
+
+    def _actor(self, role: str, pg, index: int, bundle: dict[str, float]) -> None:
+        """A ``ServiceHost`` holding the whole of bundle ``index`` (so Ray hands it the bundle's GPUs)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from relayrl.coordinator.ray_actor import ServiceHost
+
+        with self._lock:
+            if self._stopping.is_set():
+                raise RuntimeError("stopped while starting")
+            self.hosts[role] = (
+                ray.remote(ServiceHost)
+                .options(
+                    name=f"{self.run_dir.name}-{role}",
+                    num_cpus=bundle.get("CPU", 0.0),
+                    num_gpus=bundle.get("GPU", 0.0),
+                    max_concurrency=4,  # stop() and poll() while wait() blocks
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        pg, placement_group_bundle_index=index
+                    ),
+                )
+                .remote()
+            )
+
+    def _bind(self, ip: str) -> str:
+        return ip if self.cfg.ray.bind == "node" else ("::" if ":" in ip else "0.0.0.0")
+
+    def _launch(self, name: str, where: dict, section, args: list[str], env=None, module=None, check=None):
+        """Record the section in the run folder, write it on the node, start the process there."""
+
+        path = self.run_dir / "services" / f"{name}.yaml"
+        path.parent.mkdir(exist_ok=True)
+        text = cfg_mod.dump_yaml(section)
+        path.write_text(text)
+        logs = str(self.run_dir / "logs")
+        start = self.hosts[name].start.remote(
+            name, [*args, "--config", str(path)], str(path), text, logs, env or {}, module, check
+        )
+        command = self._get(name, start)
+        self.record["services"][name] = {k: where[k] for k in ("ip", "hostname", "gpus")}
+        with open(self.run_dir / "launch.jsonl", "a") as f:
+            rec = {
+                "name": name,
+                "command": command,
+                "env": env or {},
+                "node": where["ip"],
+                "time": time.time(),
+            }
+            f.write(json.dumps(rec) + "\n")
+
+    def _start_learner(self, g: GroupPlan, where: dict) -> None:
+        """One DeepSpeed rank per learner bundle; rank 0 (named ``learner``) serves gRPC."""
+        import ray
+
+        c = self.cfg
+        slots = [Slot(where[r]["node_id"], where[r]["ip"], tuple(where[r]["gpus"])) for r in g.roles]
+        first = next(i for i, e in enumerate(assign_ranks(slots, 0)) if e.rank == 0)
+        ranks = assign_ranks(slots, ray.get(self.hosts[g.roles[first]].free_port.remote()))
+        ip0 = slots[first].ip
+        update = {"serve": c.learner.serve.model_copy(update={"host": self._bind(ip0), "port": 0})}
+        if not c.learner.weight_sync_host:  # what the generators dial to join the weight sync
+            update["weight_sync_host"] = ip0
+        if "checkpoint_dir" not in c.learner.model_fields_set:  # beside the run's records, as embedded
+            update["checkpoint_dir"] = str(Path(c.runs_dir).resolve())
+        lcfg = c.learner.model_copy(update=update)
+        for i in sorted(range(len(slots)), key=lambda i: ranks[i].rank):
+            rank = ranks[i].rank
+            name = "learner" if rank == 0 else f"learner-rank{rank}"
+            with self._lock:
+                self.hosts[name] = self.hosts.pop(g.roles[i])
+            where[name] = where.pop(g.roles[i])
+            self.ranks.append(name)
+            check = ("learner", lcfg.serve.model_dump()) if rank == 0 else None
+            self._launch(name, where[name], lcfg, [], ranks[i].env, "relayrl.learner.rank", check)
+
+    def _start_service(self, name: str, service: str, section, where: dict, args: list[str]) -> None:
+        serve = section.serve.model_copy(update={"host": self._bind(where[name]["ip"]), "port": 0})
+        self._launch(name, where[name], section.model_copy(update={"serve": serve}), [service, *args])
+
+    def _wait_serving(self, where: dict, deadline: float) -> None:
+        """Collect every service's address; fail with a log's tail as soon as any process exits
+        (a learner follower included: rank 0 would wait for it forever)."""
+        import ray
+
+        pending = {
+            name: self.hosts[name].wait.remote(max(1.0, deadline - time.monotonic()), where[name]["ip"])
+            for name in ["learner", *(n for n in self.hosts if n.startswith(("gen-", "reward-")))]
+        }
+        addresses: dict[str, str] = {}
+        while pending:
+            if self._stopping.is_set():
+                raise RuntimeError("stopped while starting")
+            done, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=1.0)
+            for name, ref in list(pending.items()):
+                if ref in done:
+                    addresses[name] = self._get(name, ref)
+                    del pending[name]
+            exited = {n: code for n, code in self._poll().items() if code is not None}
+            if exited:
+                name, code = next(iter(exited.items()))
+                raise RuntimeError(
+                    f"{name} on {where[name]['ip']} exited with code {code} before serving:\n"
+                    + ray.get(self.hosts[name].tail.remote())
+                )
+            if time.monotonic() > deadline and pending:
+                raise RuntimeError(
+                    f"not serving within {self.cfg.ray.start_timeout_seconds:.0f}s: {sorted(pending)}"
+                )
+        self.learner = addresses.pop("learner")
+        self.generators = {n: a for n, a in sorted(addresses.items()) if n.startswith("gen-")}
+        self.rewards = {n: a for n, a in sorted(addresses.items()) if n.startswith("reward-")}
+        for name, addr in [("learner", self.learner), *self.generators.items(), *self.rewards.items()]:
+            self.record["services"][name]["address"] = addr
+            print(f"ray: {name} serving on {addr}", flush=True)
+
+    @staticmethod
+    def _get(name: str, ref):
+        import ray
+
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as e:  # the actor's own exception, not Ray's wrapper
+            raise RuntimeError(f"{name}: {getattr(e, 'cause', e)}") from None
+
+    def _poll(self, names=None) -> dict[str, int | None]:
+        """Exit code of each process (None: running); an actor that died counts as -9."""
+        import ray
+
+        with self._lock:
+            items = [(n, h) for n, h in self.hosts.items() if names is None or n in names]
+        out = {}
+        for (n, _h), ref in zip(items, [h.poll.remote() for _n, h in items], strict=True):
+            try:
+                out[n] = ray.get(ref, timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                out[n] = -9
+        return out
+
+    def _watch(self) -> None:
+        """torchrun's rule: when one learner rank dies, stop them all (rank 0 then stops serving
+        and the coordinator fails the run with the reason, instead of a collective hanging)."""
+        while not self._stopping.wait(2.0):
+            dead = {n: code for n, code in self._poll(self.ranks).items() if code is not None}
+            if dead and not self._stopping.is_set():
+                logger.error("learner rank(s) exited: %s; stopping the other ranks", dead)
+                print(f"ray: learner rank(s) exited {dead}; stopping the learner", flush=True)
+                self._stop_hosts(self.ranks)
+                return
+
+    # -- stop -----------------------------------------------------------------------------------
+    def _stop_hosts(self, names) -> None:
+        import ray
+
+        with self._lock:
+            hosts = [self.hosts[n] for n in names if n in self.hosts]
+        refs = [h.stop.remote(STOP_GRACE) for h in hosts]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=STOP_GRACE + 30)
+
+    def stop(self) -> None:
+        """Stop every process, kill the actors, remove the placement groups. Safe to call twice,
+        and from another thread while ``start_embedded`` is still starting things."""
+        import ray
+        from ray.util.placement_group import placement_group_table, remove_placement_group
+
+        self._stopping.set()
+        if not ray.is_initialized():
+            return
+        self._stop_hosts(list(self.hosts))
+        with self._lock:
+            hosts, self.hosts = self.hosts, {}
+            pgs, self.pgs = self.pgs, []
+        for h in hosts.values():
+            try:
+                ray.kill(h)
+            except Exception:  # already gone
+                pass
+        for _g, pg in pgs:
+            remove_placement_group(pg)
+        for _g, pg in pgs:
+            state = placement_group_table(pg).get("state")
+            for entry in self.record["placement_groups"]:
+                if entry["id"] == pg.id.hex():
+                    entry["state"] = state
+        if pgs:
+            self._write_record()
+            print("ray: services stopped, placement groups removed", flush=True)
+
+    def _write_record(self) -> None:
+        (self.run_dir / "ray.json").write_text(json.dumps(self.record, indent=2) + "\n")
+
+
+def launch(cfg: ExperimentConfig, resume_dir: Path | None = None) -> Path:
+    """``relayrl launch ray``: returns the run folder; exits non-zero with the reason if the run
+    failed. The Ray connection ends with it (a private instance stops)."""
+    if not cfg.services.embedded:
+        raise SystemExit(
+            "relayrl launch ray starts the services itself: remove services.generators, "
+            "services.rewards and services.learner from the experiment (or use relayrl run)"
+        )
+    from relayrl.coordinator.run import run
+
+    init_ray(cfg.ray)
+    import ray
+
+    try:
+        return run(cfg, resume_dir, services_factory=RayServices)
+    except KeyboardInterrupt:  # the services were stopped on the way out (Registry's finally)
+        raise SystemExit(
+            "relayrl launch ray: interrupted; services stopped, placement groups removed"
+        ) from None
+    finally:
+        ray.shutdown()

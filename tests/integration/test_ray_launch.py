@@ -1,0 +1,261 @@
+"""``relayrl launch ray`` against a real Ray head on loopback (CPU): placement groups with one
+bundle per learner rank and per replica, the services as actors, a short run that trains and
+pushes weights, and nothing left behind, after a clean end or a Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'relayrl[ray]')")
+psutil = pytest.importorskip("psutil")
+
+EXPERIMENT = """
+name: {name}
+runs_dir: runs
+model:
+  path: {root}/model
+  tiny: {{task: reverse, sft_steps: 0, seed: 0}}
+data:
+  train: {root}/data/train.parquet
+  generate: {{task: reverse, n_train: 64, n_test: 0, seed: 0}}
+sampling: {{n: 4, temperature: 1.0, max_tokens: 16}}
+schedule: {{steps: {steps}, prompts_per_step: 4, max_staleness: 1, eval_every: 0, checkpoint_every: 0}}
+services: {{deadline_seconds: 120}}
+learner: {{world_size: 2, optim: {{lr: 1.0e-4}}}}
+generator: {{engine: {{dtype: float32, max_model_len: 256, kv_cache_gib: 0.25}}}}
+reward: {{workers: 1, plugins: ["rayplug:score"]}}
+ray:
+  env: {{PYTHONPATH: "{root}"}}
+"""
+
+# A random tiny model never writes a well-formed answer, so the built-in reverse scorer gives every
+# sample 0 and no group carries a gradient. This plugin (found through ray.env's PYTHONPATH, as a
+# user's would be) scores a checksum of the text: rewards differ within groups, the learner trains.
+PLUGIN = """
+from relayrl.reward.scorers import ScoreResult
+
+
+def score(completion, ground_truth, extra_info):
+    return ScoreResult(float(sum(map(ord, completion)) % 7) / 6, {})
+
+
+score.data_sources = ["reverse"]
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """``ray start --head --block`` on loopback with 4 logical CPUs; stopped by its handle."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("deepspeed")
+    temp = tempfile.mkdtemp(prefix="rr-", dir="/tmp")  # short: Ray's unix sockets live under it
+    port = _free_port()
+    # Ray's one-machine mode keeps the node address on loopback (else the head takes the host's IP).
+    # Token authentication as on a real cluster, with a token of this test's own.
+    token = Path(temp) / "auth_token"
+    token.write_text(uuid.uuid4().hex)
+    env = {
+        **os.environ,
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(token),
+    }
+    ray_cli = [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; sys.exit(main())"]
+    log = open(Path(temp) / "head.log", "w")
+    head = subprocess.Popen(
+        [
+            *ray_cli,
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={port}",
+            "--num-cpus=4",
+            "--num-gpus=0",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            "--object-store-memory=100000000",
+            f"--temp-dir={temp}",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    tree: list = []
+    try:
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in (Path(temp) / "head.log").read_text():
+            assert head.poll() is None, (Path(temp) / "head.log").read_text()
+            assert time.monotonic() < deadline, "the Ray head did not start"
+            time.sleep(0.5)
+        yield {"address": f"127.0.0.1:{port}", "pid": head.pid, "env": env}
+    finally:
+        tree = psutil.Process(head.pid).children(recursive=True) if head.poll() is None else []
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait()
+        _gone, alive = psutil.wait_procs(tree, timeout=30)
+        for p in alive:  # ours only: the head's own tree
+            p.kill()
+        log.close()
+        shutil.rmtree(temp, ignore_errors=True)
+        assert not alive, f"the Ray head left processes behind: {alive}"
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ray")
+    (root / "rayplug.py").write_text(PLUGIN)
+    return root
+
+
+def _experiment(root: Path, name: str, steps: int) -> Path:
+    exp = root / f"{name}.yaml"
+    exp.write_text(textwrap.dedent(EXPERIMENT.format(root=root, name=name, steps=steps)))
+    return exp
+
+
+def _launch(root: Path, exp: Path, head: dict, **kw) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "relayrl.cli", "launch", "ray", str(exp), "--address", head["address"]],
+        cwd=root,
+        env=head["env"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
+
+
+def _cluster_state(head: dict, names: list[str]) -> dict:
+    """Placement groups the head knows (by name: state) and which of ``names`` are live actors."""
+    code = textwrap.dedent(
+        f"""
+        import json, ray
+        from ray.util.placement_group import placement_group_table
+        ray.init(address={head["address"]!r}, namespace="relayrl", log_to_driver=False)
+        pgs = {{v["name"]: v["state"] for v in placement_group_table().values()}}
+        live = []
+        for n in {names!r}:
+            try:
+                ray.get_actor(n)
+                live.append(n)
+            except ValueError:
+                pass
+        print(json.dumps({{"pgs": pgs, "live": live}}))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=head["env"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _leftovers(head: dict, run_dir: Path) -> list[str]:
+    """Processes of this run still alive: any whose command line names the run folder (every
+    service's does, through its config), and any relayrl process under the head."""
+    mine = []
+    under_head = {p.pid for p in psutil.Process(head["pid"]).children(recursive=True)}
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if str(run_dir) in cmd or (p.info["pid"] in under_head and "relayrl" in cmd):
+            mine.append(f"{p.info['pid']}: {cmd[:200]}")
+    return mine
+
+
+def _wait_gone(head: dict, run_dir: Path, timeout: float = 30.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while (left := _leftovers(head, run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def test_launch_ray_runs_trains_and_cleans_up(ray_head, workspace):
+    proc = _launch(workspace, _experiment(workspace, "rayrun", 3), ray_head)
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out[-5000:]
+    run_dir = next((workspace / "runs").glob("rayrun-*"))
+    assert f"{run_dir.name}: completed at step 3" in out
+
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["groups"] == 4 for r in steps)
+    trained = [r for r in steps if r["train_samples"]]
+    assert trained, "no step trained"
+    assert all(r["synced_replicas"] == r["healthy_generators"] == 1 for r in trained)  # weights pushed
+    assert steps[-1]["policy_version"] >= 1
+    assert (run_dir / "checkpoints" / "coordinator.json").exists()
+
+    record = json.loads((run_dir / "ray.json").read_text())
+    pgs = {g["name"].rsplit("-", 1)[1]: g for g in record["placement_groups"]}
+    assert pgs["learner"]["bundles"] == [{"CPU": 1.0}, {"CPU": 1.0}]
+    assert pgs["learner"]["strategy"] == "PACK" and pgs["learner"]["roles"] == ["learner-0", "learner-1"]
+    assert pgs["rollout"]["bundles"] == [{"CPU": 1.0}, {"CPU": 1.0}]
+    assert pgs["rollout"]["roles"] == ["gen-0", "reward-0"]
+    assert {g["state"] for g in record["placement_groups"]} == {"REMOVED"}
+    addresses = {n: s.get("address", "") for n, s in record["services"].items()}
+    assert all(addresses[n].startswith("127.0.0.1:") for n in ("learner", "gen-0", "reward-0"))
+
+    launched = [json.loads(line) for line in (run_dir / "launch.jsonl").read_text().splitlines()]
+    assert sorted(r["name"] for r in launched) == ["gen-0", "learner", "learner-rank1", "reward-0"]
+    ranks = {r["name"]: r["env"] for r in launched if r["name"].startswith("learner")}
+    assert ranks["learner"]["RANK"] == "0" and ranks["learner-rank1"]["RANK"] == "1"
+    assert {e["MASTER_ADDR"] for e in ranks.values()} == {"127.0.0.1"}
+    assert ranks["learner"]["MASTER_PORT"] == ranks["learner-rank1"]["MASTER_PORT"]
+
+    actors = [f"{run_dir.name}-{r}" for r in ("learner-0", "learner-1", "gen-0", "reward-0")]
+    state = _cluster_state(ray_head, actors)
+    assert {state["pgs"][g["name"]] for g in record["placement_groups"]} == {"REMOVED"}
+    assert state["live"] == []
+    assert _wait_gone(ray_head, run_dir) == []
+
+
+def test_ctrl_c_tears_down_services_and_placement_groups(ray_head, workspace):
+    proc = _launch(workspace, _experiment(workspace, "raystop", 500), ray_head)
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:  # until the services serve and a step went through
+            lines.append(line)
+            if line.startswith("step 1/"):
+                break
+        assert any(line.startswith("step 1/") for line in lines), "".join(lines)[-5000:]
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = "".join(lines) + rest
+    assert proc.returncode != 0
+    assert "ray: services stopped, placement groups removed" in out, out[-5000:]
+    run_dir = next((workspace / "runs").glob("raystop-*"))
+    record = json.loads((run_dir / "ray.json").read_text())
+    state = _cluster_state(ray_head, [])
+    assert {state["pgs"][g["name"]] for g in record["placement_groups"]} == {"REMOVED"}
+    assert _wait_gone(ray_head, run_dir) == []

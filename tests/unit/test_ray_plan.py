@@ -1,0 +1,136 @@
+"""``relayrl launch ray`` without Ray: the placement plan, rank numbering, the config section, CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from relayrl.common.config import ConfigError
+from relayrl.coordinator.config import ExperimentConfig, load_experiment
+from relayrl.coordinator.ray_plan import Slot, assign_ranks, needs, plan
+
+
+def _cfg(**sections) -> ExperimentConfig:
+    return ExperimentConfig.model_validate({"model": {"path": "m"}, "data": {"train": "t"}, **sections})
+
+
+def test_gpu_plan_gives_each_rank_a_gpu_and_each_replica_its_tensor_parallel_gpus():
+    cfg = _cfg(
+        learner={"world_size": 4},
+        generator={"engine": {"tensor_parallel_size": 2}},
+        reward={"workers": 4},
+        services={"generator_replicas": 2, "reward_replicas": 1},
+    )
+    learner, rollout = plan(cfg, gpus=True, run_id="exp-1")
+    assert learner.name == "relayrl-exp-1-learner" and learner.strategy == "PACK"
+    assert learner.bundles == [{"CPU": 1.0, "GPU": 1.0}] * 4
+    assert learner.roles == ["learner-0", "learner-1", "learner-2", "learner-3"]
+    assert rollout.name == "relayrl-exp-1-rollout" and rollout.strategy == "PACK"
+    assert rollout.bundles == [{"CPU": 1.0, "GPU": 2.0}, {"CPU": 1.0, "GPU": 2.0}, {"CPU": 4.0}]
+    assert rollout.roles == ["gen-0", "gen-1", "reward-0"]
+    assert needs([learner, rollout]) == {"CPU": 10.0, "GPU": 8.0}
+
+
+def test_plan_follows_the_ray_section():
+    cfg = _cfg(
+        learner={"world_size": 2},
+        ray={
+            "learner_cpus_per_rank": 8,
+            "learner_strategy": "STRICT_PACK",
+            "generator_cpus": 4,
+            "reward_cpus": 2,
+            "rollout_strategy": "SPREAD",
+        },
+    )
+    learner, rollout = plan(cfg, gpus=True, run_id="r")
+    assert learner.strategy == "STRICT_PACK" and learner.bundles == [{"CPU": 8.0, "GPU": 1.0}] * 2
+    assert rollout.strategy == "SPREAD" and rollout.bundles == [{"CPU": 4.0, "GPU": 1.0}, {"CPU": 2.0}]
+    cpu_learner, cpu_rollout = plan(cfg, gpus=False, run_id="r")
+    assert "GPU" not in needs([cpu_learner, cpu_rollout])
+
+
+def test_ranks_are_numbered_per_node_like_torchrun():
+    # Two nodes with four learner GPUs each; Ray returned the bundles interleaved.
+    slots = [
+        Slot("B" if i % 2 else "A", "10.0.0.2" if i % 2 else "10.0.0.1", (str(7 - i // 2),)) for i in range(8)
+    ]
+    envs = assign_ranks(slots, 29500)
+    assert sorted(e.rank for e in envs) == list(range(8))
+    for slot, e in zip(slots, envs, strict=True):
+        assert e.node_rank == (0 if slot.node_id == "A" else 1)  # bundle 0's node holds rank 0
+        assert e.rank == e.node_rank * 4 + e.local_rank  # consecutive within a node
+        assert e.env["CUDA_VISIBLE_DEVICES"].split(",")[e.local_rank] == slot.gpus[0]
+        assert e.env["MASTER_ADDR"] == "10.0.0.1" and e.env["MASTER_PORT"] == "29500"
+        assert e.env["WORLD_SIZE"] == "8" and e.env["LOCAL_WORLD_SIZE"] == "4"
+    assert envs[0].env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+
+
+def test_uneven_placement_still_gives_every_rank_one_gpu():
+    slots = [Slot("A", "a", ("0",)), Slot("A", "a", ("1",)), Slot("A", "a", ("2",)), Slot("B", "b", ("0",))]
+    envs = assign_ranks(slots, 1)
+    assert [(e.rank, e.local_rank, e.env["LOCAL_WORLD_SIZE"]) for e in envs] == [
+        (0, 0, "3"),
+        (1, 1, "3"),
+        (2, 2, "3"),
+        (3, 0, "1"),
+    ]
+    assert envs[3].env["CUDA_VISIBLE_DEVICES"] == "0" and envs[3].env["MASTER_ADDR"] == "a"
+
+
+def test_cpu_ranks_carry_no_device_list():
+    envs = assign_ranks([Slot("n", "127.0.0.1"), Slot("n", "127.0.0.1")], 5)
+    assert [e.env["LOCAL_RANK"] for e in envs] == ["0", "1"]
+    assert all("CUDA_VISIBLE_DEVICES" not in e.env for e in envs)
+
+
+MINIMAL = "model: {path: m}\ndata: {train: t.parquet}\n"
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("ray.learner_strategy=TIGHT", "ray.learner_strategy"),
+        ("ray.learner_cpus_per_rank=0", "ray.learner_cpus_per_rank"),
+        ("ray.accelerator=tpu", "ray.accelerator"),
+        ("ray.nodes=2", "ray.nodes: unknown field"),
+    ],
+)
+def test_bad_ray_settings_name_the_field(tmp_path, override, needle):
+    (tmp_path / "exp.yaml").write_text(MINIMAL)
+    with pytest.raises(ConfigError, match=needle):
+        load_experiment(tmp_path / "exp.yaml", [override])
+
+
+def test_address_flag_becomes_ray_address(tmp_path):
+    from relayrl.cli import build_parser
+    from relayrl.coordinator import cli
+
+    (tmp_path / "exp.yaml").write_text(MINIMAL)
+    args = build_parser().parse_args(
+        ["launch", "ray", str(tmp_path / "exp.yaml"), "--address", "10.0.0.1:6379"]
+    )
+    cfg, resume = cli._experiment(args, cli.ray_overrides(args))
+    assert cfg.ray.address == "10.0.0.1:6379" and resume is None
+
+
+def test_launch_refuses_service_addresses():
+    from relayrl.coordinator.ray_launch import launch
+
+    cfg = _cfg(services={"generators": ["g:1"], "rewards": ["r:1"], "learner": "l:1"})
+    with pytest.raises(SystemExit, match="starts the services itself"):
+        launch(cfg)
+
+
+def test_cli_parser_does_not_import_ray():
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from relayrl.cli import build_parser; build_parser(); import sys; print('ray' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == "False"

@@ -32,7 +32,7 @@ from pathlib import Path
 from relayrl.common import config as cfg_mod
 from relayrl.coordinator.config import ExperimentConfig, RaySection
 from relayrl.coordinator.ray_plan import GroupPlan, Slot, assign_ranks, needs, plan
-from relayrl.coordinator.run import Services
+from relayrl.coordinator.run import Services, learner_section
 
 logger = logging.getLogger(__name__)
 
@@ -196,9 +196,7 @@ class RayServices(Services):
         update = {"serve": c.learner.serve.model_copy(update={"host": self._bind(ip0), "port": 0})}
         if not c.learner.weight_sync_host:  # what the generators dial to join the weight sync
             update["weight_sync_host"] = ip0
-        if "checkpoint_dir" not in c.learner.model_fields_set:  # beside the run's records, as embedded
-            update["checkpoint_dir"] = str(Path(c.runs_dir).resolve())
-        lcfg = c.learner.model_copy(update=update)
+        lcfg = learner_section(c, self.run_dir).model_copy(update=update)
         for i in sorted(range(len(slots)), key=lambda i: ranks[i].rank):
             rank = ranks[i].rank
             name = "learner" if rank == 0 else f"learner-rank{rank}"
@@ -256,7 +254,8 @@ class RayServices(Services):
         try:
             return ray.get(ref)
         except ray.exceptions.RayTaskError as e:  # the actor's own exception, not Ray's wrapper
-            raise RuntimeError(f"{name}: {getattr(e, 'cause', e)}") from None
+            cause = getattr(e, "cause", None)
+            raise RuntimeError(str(cause) if cause is not None else f"{name}: {e}") from None
 
     def _poll(self, names=None) -> dict[str, int | None]:
         """Exit code of each process (None: running); an actor that died counts as -9."""
@@ -302,7 +301,9 @@ class RayServices(Services):
         self._stopping.set()
         if not ray.is_initialized():
             return
-        self._stop_hosts(list(self.hosts))
+        with self._lock:
+            names = list(self.hosts)
+        self._stop_hosts(names)
         with self._lock:
             hosts, self.hosts = self.hosts, {}
             pgs, self.pgs = self.pgs, []

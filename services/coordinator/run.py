@@ -66,6 +66,17 @@ def new_run_dir(cfg: ExperimentConfig) -> Path:
     return run
 
 
+def learner_section(cfg: ExperimentConfig, run_dir: Path):
+    """The learner section a launcher hands to the learner it starts: checkpoints go beside the run
+    folder (``<run_dir>/checkpoints``) unless the experiment names another folder. The default
+    counts as unset even when present, as in a resumed run's ``config.yaml``, which records every
+    field."""
+    default = type(cfg.learner).model_fields["checkpoint_dir"].default
+    if cfg.learner.checkpoint_dir != default:
+        return cfg.learner
+    return cfg.learner.model_copy(update={"checkpoint_dir": str(run_dir.parent.resolve())})
+
+
 class Services:
     """Addresses of the services, and the local processes when embedded."""
 
@@ -95,10 +106,9 @@ class Services:
     def start_embedded(self, timeout: float = 600.0) -> None:
         c = self.cfg
         dev = c.services.generator_devices
-        lcfg = c.learner
-        if "checkpoint_dir" not in lcfg.model_fields_set:  # checkpoints beside the run's records
-            lcfg = lcfg.model_copy(update={"checkpoint_dir": str(self.run_dir.parent.resolve())})
-        learner = self._start("learner", "learner", lcfg, [], c.services.learner_devices)
+        learner = self._start(
+            "learner", "learner", learner_section(c, self.run_dir), [], c.services.learner_devices
+        )
         gens = [
             self._start(
                 f"gen-{i}",

@@ -140,9 +140,9 @@ def _experiment(root: Path, name: str, steps: int) -> Path:
     return exp
 
 
-def _launch(root: Path, exp: Path, head: dict, **kw) -> subprocess.Popen:
+def _launch(root: Path, head: dict, *args: str, **kw) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "relayrl.cli", "launch", "ray", str(exp), "--address", head["address"]],
+        [sys.executable, "-m", "relayrl.cli", "launch", "ray", *args, "--address", head["address"]],
         cwd=root,
         env=head["env"],
         stdout=subprocess.PIPE,
@@ -150,6 +150,12 @@ def _launch(root: Path, exp: Path, head: dict, **kw) -> subprocess.Popen:
         text=True,
         **kw,
     )
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out[-5000:]
+    return out
 
 
 def _cluster_state(head: dict, names: list[str]) -> dict:
@@ -196,12 +202,13 @@ def _wait_gone(head: dict, run_dir: Path, timeout: float = 30.0) -> list[str]:
     return left
 
 
-def test_launch_ray_runs_trains_and_cleans_up(ray_head, workspace):
-    proc = _launch(workspace, _experiment(workspace, "rayrun", 3), ray_head)
-    out, _ = proc.communicate(timeout=400)
-    assert proc.returncode == 0, out[-5000:]
+def test_launch_ray_runs_trains_resumes_and_cleans_up(ray_head, workspace):
+    out = _finish(_launch(workspace, ray_head, str(_experiment(workspace, "rayrun", 2))))
     run_dir = next((workspace / "runs").glob("rayrun-*"))
-    assert f"{run_dir.name}: completed at step 3" in out
+    assert f"{run_dir.name}: completed at step 2" in out
+    # Again from its checkpoint, on fresh placement groups and actors of the same names.
+    out = _finish(_launch(workspace, ray_head, "--resume", str(run_dir), "--set", "schedule.steps=3"))
+    assert f"resumed {run_dir.name} at step 2" in out and f"{run_dir.name}: completed at step 3" in out
 
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps] == [1, 2, 3]
@@ -223,7 +230,9 @@ def test_launch_ray_runs_trains_and_cleans_up(ray_head, workspace):
     assert all(addresses[n].startswith("127.0.0.1:") for n in ("learner", "gen-0", "reward-0"))
 
     launched = [json.loads(line) for line in (run_dir / "launch.jsonl").read_text().splitlines()]
-    assert sorted(r["name"] for r in launched) == ["gen-0", "learner", "learner-rank1", "reward-0"]
+    assert sorted(r["name"] for r in launched) == sorted(
+        ["gen-0", "learner", "learner-rank1", "reward-0"] * 2
+    )
     ranks = {r["name"]: r["env"] for r in launched if r["name"].startswith("learner")}
     assert ranks["learner"]["RANK"] == "0" and ranks["learner-rank1"]["RANK"] == "1"
     assert {e["MASTER_ADDR"] for e in ranks.values()} == {"127.0.0.1"}
@@ -237,7 +246,7 @@ def test_launch_ray_runs_trains_and_cleans_up(ray_head, workspace):
 
 
 def test_ctrl_c_tears_down_services_and_placement_groups(ray_head, workspace):
-    proc = _launch(workspace, _experiment(workspace, "raystop", 500), ray_head)
+    proc = _launch(workspace, ray_head, str(_experiment(workspace, "raystop", 500)))
     lines: list[str] = []
     try:
         for line in proc.stdout:  # until the services serve and a step went through

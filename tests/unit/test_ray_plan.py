@@ -134,3 +134,19 @@ def test_cli_parser_does_not_import_ray():
         check=True,
     )
     assert out.stdout.strip() == "False"
+
+
+def test_learner_checkpoints_go_beside_the_run_folder_on_resume_too(tmp_path):
+    from relayrl.common.config import dump_yaml
+    from relayrl.coordinator.run import learner_section
+
+    run_dir = tmp_path / "runs" / "exp-1"
+    cfg = _cfg()
+    assert learner_section(cfg, run_dir).checkpoint_dir == str(tmp_path / "runs")
+    # A resumed run reads its config.yaml, which records every field, the default included.
+    (tmp_path / "config.yaml").write_text(dump_yaml(cfg))
+    resumed = load_experiment(tmp_path / "config.yaml")
+    assert "checkpoint_dir" in resumed.learner.model_fields_set
+    assert learner_section(resumed, run_dir).checkpoint_dir == str(tmp_path / "runs")
+    own = _cfg(learner={"checkpoint_dir": "/shared/ckpt"})
+    assert learner_section(own, run_dir).checkpoint_dir == "/shared/ckpt"

@@ -58,6 +58,8 @@ class RayServices(Services):
     """The services of one run as Ray actors in placement groups (the ``Services`` interface:
     ``start_embedded`` fills the addresses, ``stop`` tears everything down, idempotently)."""
 
+    resume_command = "relayrl launch ray --resume"
+
     def __init__(self, cfg: ExperimentConfig, run_dir: Path):
         super().__init__(cfg, run_dir)
         self.hosts: dict[str, object] = {}  # name -> actor handle
@@ -341,7 +343,7 @@ def launch(cfg: ExperimentConfig, resume_dir: Path | None = None) -> Path:
     import ray
 
     try:
-        return run(cfg, resume_dir, services_factory=RayServices)
+        return run(cfg, resume_dir, services_factory=RayServices, prog="relayrl launch ray")
     except KeyboardInterrupt:  # the services were stopped on the way out (Registry's finally)
         raise SystemExit(
             "relayrl launch ray: interrupted; services stopped, placement groups removed"

@@ -111,7 +111,7 @@ class Registry:
         except (grpc.aio.AioRpcError, NoReplicaLeft) as e:
             why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
             resumable = (h.run_dir / "checkpoints" / "coordinator.json").exists()
-            h.message = why + (f"; resume with: relayrl run --resume {h.run_dir}" if resumable else "")
+            h.message = why + (f"; resume with: {services.resume_command} {h.run_dir}" if resumable else "")
             h.state = FAILED
         except Exception as e:
             logger.exception("experiment %s failed", h.run_id)

@@ -80,6 +80,9 @@ def learner_section(cfg: ExperimentConfig, run_dir: Path):
 class Services:
     """Addresses of the services, and the local processes when embedded."""
 
+    resume_command = "relayrl run --resume"
+    """What a failed run's message tells the user to continue with."""
+
     def __init__(self, cfg: ExperimentConfig, run_dir: Path):
         self.cfg = cfg
         self.run_dir = run_dir
@@ -291,9 +294,11 @@ async def _run_and_serve(
             addr_file.unlink(missing_ok=True)
 
 
-def run(cfg: ExperimentConfig, resume_dir: Path | None = None, services_factory=None) -> Path:
+def run(
+    cfg: ExperimentConfig, resume_dir: Path | None = None, services_factory=None, prog: str = "relayrl run"
+) -> Path:
     """``relayrl run``: returns the run folder; exits non-zero with the reason if the run failed.
-    ``services_factory``: see ``Registry`` (``relayrl launch ray`` passes its own)."""
+    ``services_factory``: see ``Registry`` (``relayrl launch ray`` passes its own, and its ``prog``)."""
     show, close = _progress(cfg.schedule.steps, 0)
     try:
         h = asyncio.run(_run_and_serve(cfg, resume_dir, show, services_factory))
@@ -301,7 +306,7 @@ def run(cfg: ExperimentConfig, resume_dir: Path | None = None, services_factory=
         close()
     evals = [r["eval_accuracy"] for r in h.records if "eval_accuracy" in r]
     if h.state == FAILED:
-        raise SystemExit(f"relayrl run: {h.run_id} failed: {h.message}")
+        raise SystemExit(f"{prog}: {h.run_id} failed: {h.message}")
     if evals:
         print(f"held-out greedy accuracy: {evals[0]:.3f} -> {evals[-1]:.3f}", flush=True)
     if (h.run_dir / "reward_curve.png").exists():

@@ -150,3 +150,12 @@ def test_learner_checkpoints_go_beside_the_run_folder_on_resume_too(tmp_path):
     assert learner_section(resumed, run_dir).checkpoint_dir == str(tmp_path / "runs")
     own = _cfg(learner={"checkpoint_dir": "/shared/ckpt"})
     assert learner_section(own, run_dir).checkpoint_dir == "/shared/ckpt"
+
+
+def test_the_ray_example_validates_and_plans():
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "countdown-ray-gpu.yaml"
+    learner, rollout = plan(load_experiment(example), gpus=True, run_id="r")
+    assert learner.bundles == [{"CPU": 8.0, "GPU": 1.0}] * 8 and rollout.strategy == "SPREAD"
+    assert rollout.roles == ["gen-0", "gen-1", "gen-2", "gen-3", "reward-0", "reward-1"]

@@ -8,6 +8,12 @@ is trained, so generation overlaps training and weight sync (a swap lands mid-ge
 the affected samples carry both versions). At training time a sample whose oldest version lags
 the learner by more than ``max_staleness`` is dropped with its group, and counted.
 
+Timing. Every step records seconds per phase: ``time_generate`` and ``time_score`` (of the batch
+trained at this step; with overlap they ran during earlier steps), ``time_train``, ``time_sync``,
+and ``time_idle`` (the loop waiting for generation). Evaluation first lets the batch in flight
+finish, then runs alone (``time_eval``): it neither slows that batch nor hides generation time,
+so a step's wall time minus ``time_eval`` is what training cost.
+
 Data order is a seeded shuffle per epoch; the position (epoch, index) and the step go into
 every checkpoint, so a resumed run continues with the same prompts.
 """
@@ -231,6 +237,17 @@ class Experiment:
             hits += r.status == rw.SCORE_STATUS_OK and correct >= 1.0
         return hits / len(ro.groups)
 
+    async def evaluate_alone(self, pending: asyncio.Future | None) -> dict[str, float]:
+        """``evaluate`` once ``pending`` (the batch in flight) has finished generating: the
+        evaluation's requests then do not share the generators with it, so its time is its own
+        and the batch's generation time stays true. Returns accuracy, the wait and the eval time."""
+        t0 = time.monotonic()
+        if pending is not None:
+            await asyncio.wait({pending})  # its result or error is taken by the next step
+        t1 = time.monotonic()
+        accuracy = await self.evaluate()
+        return {"eval_accuracy": accuracy, "waited": t1 - t0, "time_eval": time.monotonic() - t1}
+
     async def push(self) -> tuple[float, int]:
         """New weights to every generator; the learner checks each bucket's checksum on every
         replica (DATA_LOSS otherwise), so a replica listed here holds exactly the learner's
@@ -266,7 +283,9 @@ class Experiment:
     async def run(self) -> None:
         sched = self.cfg.schedule
         if self.pos.step == 0 and sched.eval_every:
-            self.record({"eval_accuracy": await self.evaluate()})
+            ev = await self.evaluate_alone(None)
+            del ev["waited"]
+            self.record(ev)
         batch, nxt = self.next_prompts(self.pos)
         pending = asyncio.ensure_future(self.rollout(batch))
         while self.pos.step < sched.steps and not self.stop_requested.is_set():
@@ -321,7 +340,9 @@ class Experiment:
                 "time_idle": idle,
             }
             if sched.eval_every and (self.pos.step % sched.eval_every == 0 or self.pos.step == sched.steps):
-                values["eval_accuracy"] = await self.evaluate()
+                ev = await self.evaluate_alone(pending)
+                values["time_idle"] += ev.pop("waited")
+                values.update(ev)
             self.record(values)
             if sched.checkpoint_every and self.pos.step % sched.checkpoint_every == 0:
                 await self.checkpoint()

@@ -69,6 +69,7 @@ def test_grpo_raises_heldout_accuracy_then_resumes(workspace):
     steps = [r for r in recs if "reward_mean" in r]
     assert len(evals) == 3 and len(steps) == 20
     assert evals[-1] >= evals[0] + 0.10, f"held-out accuracy did not rise clearly: {evals}"
+    assert all(r["time_eval"] > 0 for r in recs if "eval_accuracy" in r)  # timed apart from training
     for r in steps:
         assert r["groups"] == 16  # no prompt lost
         if r["train_samples"]:  # every sync reached every generator with verified checksums

@@ -4,7 +4,7 @@ Runs in TRL's own environment (``.venv-trl``, made by ``bench/vs_trl.py``), whic
 same torch and transformers as ``.venv``, and relayrl without extras (data loader and the reward
 scorers, both torch-free). Called by ``bench/vs_trl.py``; by hand:
 
-    .venv-trl/bin/python bench/trl_grpo.py --model DIR --train F --test F --out F.jsonl [--steps 36 ...]
+    .venv-trl/bin/python bench/trl_grpo.py --model DIR --train F --test F --out F.jsonl [--steps 40 ...]
 
 Reward: relayrl's own ``score_reverse`` (the function the reward service runs). Held-out
 evaluation: greedy HF generation on the test split every ``--eval-every`` steps and at the end,
@@ -13,9 +13,9 @@ measured and kept out of the training wall time. Every step also records TRL's g
 and tokens (``_generate_single_turn``) and its reward time (``_calculate_rewards``).
 
 Out, one JSON object per line: ``{"kind": "eval", "step", "wall", "samples", "accuracy",
-"seconds"}`` and ``{"kind": "step", "step", "wall", "samples", "gen_seconds", "gen_tokens",
-"score_seconds"}`` and ``{"kind": "log", "step", ...TRL's logged metrics}``; ``wall`` is seconds since training began, without
-evaluation.
+"seconds"}``, ``{"kind": "step", "step", "wall", "samples", "gen_seconds", "gen_tokens",
+"score_seconds"}`` and ``{"kind": "log", "step", ...TRL's logged metrics}``; ``wall`` is the
+seconds since training began, without evaluation.
 """
 
 from __future__ import annotations
@@ -90,12 +90,12 @@ def main() -> None:
     ap.add_argument("--train", required=True)
     ap.add_argument("--test", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--steps", type=int, default=36)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--prompts-per-step", type=int, default=16)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--eval-every", type=int, default=6)
+    ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     args = ap.parse_args()

@@ -43,6 +43,7 @@ def eval_prompts(tokenizer, rows: list[dict]) -> list[list[int]]:
 def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, batch: int = 64) -> float:
     """Share of ``rows`` whose greedy completion the reverse scorer calls correct."""
     import torch
+    from relayrl.common.modelkit.sft import greedy_generate
     from relayrl.reward.scorers import score_reverse
 
     pad = tokenizer.pad_token_id
@@ -52,21 +53,8 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, bat
     model.train(False)
     with torch.no_grad():
         for start in range(0, len(rows), batch):
-            chunk = prompts[start : start + batch]
-            width = max(len(p) for p in chunk)
-            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for i, p in enumerate(chunk):  # left padding: every prompt ends where generation starts
-                ids[i, width - len(p) :] = torch.tensor(p)
-                mask[i, width - len(p) :] = 1
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=pad,
-            )
-            texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+            outs = greedy_generate(model, prompts[start : start + batch], pad, max_new_tokens)
+            texts = tokenizer.batch_decode(outs, skip_special_tokens=True)
             for row, text in zip(rows[start : start + batch], texts, strict=True):
                 gt = row["reward_model"]["ground_truth"]
                 hits += score_reverse(text, gt, {}).components["correctness"] >= 1.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -278,6 +279,12 @@ async def _run_and_serve(
     addr_file = coordinator_address_file(cfg)
     addr_file.parent.mkdir(parents=True, exist_ok=True)
     addr_file.write_text(f"127.0.0.1:{handle_srv.port}\n")
+    # SIGTERM (kill, a scheduler, systemd) ends the run like Ctrl-C: cancelling the run's task
+    # runs its cleanup, which stops the services this process started. Left to the default
+    # action, the process would die at once and its services would live on, orphaned.
+    main = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, main.cancel)
     try:
         h = registry.start(cfg, resume_dir, on_record=show)
         print(
@@ -289,6 +296,7 @@ async def _run_and_serve(
         await h.task
         return h
     finally:
+        loop.remove_signal_handler(signal.SIGTERM)
         await handle_srv.stop(1.0)
         if addr_file.read_text().strip() == f"127.0.0.1:{handle_srv.port}":
             addr_file.unlink(missing_ok=True)
@@ -302,6 +310,9 @@ def run(
     show, close = _progress(cfg.schedule.steps, 0)
     try:
         h = asyncio.run(_run_and_serve(cfg, resume_dir, show, services_factory))
+    except asyncio.CancelledError:  # SIGTERM: the services are stopped by now
+        print(f"{prog}: terminated (SIGTERM); services stopped", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signal.SIGTERM) from None
     finally:
         close()
     evals = [r["eval_accuracy"] for r in h.records if "eval_accuracy" in r]

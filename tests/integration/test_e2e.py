@@ -226,3 +226,55 @@ def test_status_and_stop_talk_to_the_running_coordinator(workspace):
     assert (root / "runs" / run_id / "checkpoints" / "coordinator.json").exists()
     missing = _relayrl("status", "nope", cwd=root, timeout=30)
     assert missing.returncode != 0  # the coordinator left with its run: no address any more
+
+
+def test_sigterm_ends_the_run_and_its_services(workspace):
+    """``kill`` (a scheduler, systemd) on ``relayrl run``: the services it started stop with it."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    root, exp = workspace
+    log = open(root / "term-run.log", "w")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "relayrl.cli",
+            "run",
+            str(exp),
+            "--set",
+            "name=terminated",
+            "--set",
+            "schedule.steps=200",
+            "--set",
+            "schedule.eval_every=0",
+            "--set",
+            "learner.world_size=1",
+        ],
+        cwd=root,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        children: list[psutil.Process] = []
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (root / "term-run.log").read_text()[-3000:]
+            runs = list((root / "runs").glob("terminated-*/metrics.jsonl"))
+            if runs and runs[0].read_text().strip():  # a step went through every service
+                children = psutil.Process(proc.pid).children(recursive=True)
+                break
+            time.sleep(1)
+        assert len(children) >= 3, "learner, generator and reward should be running"
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    assert "terminated (SIGTERM); services stopped" in (root / "term-run.log").read_text()
+    _gone, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [p.cmdline()[:6] for p in alive]

@@ -12,19 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
-import ipaddress
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import ValidationError
 from relayrl.common import security
@@ -33,6 +26,8 @@ from relayrl.common.serving import TOKEN_FILE_ENV, ClientSecurity, ServeConfig
 from relayrl.reward.v1 import reward_pb2 as r
 from relayrl.reward.v1 import reward_pb2_grpc
 
+from tests.pki import CA, CLIENT, certificate, new_key, write_pem
+
 SERVICE = r.DESCRIPTOR.services_by_name["RewardService"].full_name
 TOKEN = "s3cret-token-0123456789"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -40,68 +35,22 @@ UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 
 
 # -- a throwaway PKI ------------------------------------------------------------------------------
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _cert(subject, issuer, key, signer, *, ca=False, sans=(), usage=None) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.UTC)
-    b = (
-        x509.CertificateBuilder()
-        .subject_name(_name(subject))
-        .issuer_name(_name(issuer))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if sans:
-        b = b.add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
-    if usage:
-        b = b.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-    return b.sign(signer, hashes.SHA256())
-
-
-def _write(folder: Path, name: str, cert: x509.Certificate, key) -> tuple[str, str]:
-    cert_path, key_path = folder / f"{name}.pem", folder / f"{name}.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    return str(cert_path), str(key_path)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> SimpleNamespace:
     d = tmp_path_factory.mktemp("pki")
-    ca_key, server_key, client_key, other_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(4))
-    ca = _cert("relayrl test CA", "relayrl test CA", ca_key, ca_key, ca=True)
-    server = _cert(
-        "reward",
-        "relayrl test CA",
-        server_key,
-        ca_key,
-        sans=[x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
-        usage=ExtendedKeyUsageOID.SERVER_AUTH,
-    )
-    client = _cert(
-        "coordinator", "relayrl test CA", client_key, ca_key, usage=ExtendedKeyUsageOID.CLIENT_AUTH
-    )
+    ca = CA.create(d)
     # A client certificate that signs itself: not from the CA the server trusts.
-    stranger = _cert("stranger", "stranger", other_key, other_key, usage=ExtendedKeyUsageOID.CLIENT_AUTH)
-    ca_path, _ = _write(d, "ca", ca, ca_key)
+    other = new_key()
+    stranger = certificate("stranger", "stranger", other, other, usage=CLIENT)
     token = d / "token"
     token.write_text(TOKEN + "\n")  # a trailing newline, as `echo` and k8s secrets leave it
     wrong = d / "wrong-token"
     wrong.write_text("not-the-token")
     return SimpleNamespace(
-        ca=ca_path,
-        server=_write(d, "server", server, server_key),
-        client=_write(d, "client", client, client_key),
-        stranger=_write(d, "stranger", stranger, other_key),
+        ca=ca.path,
+        server=ca.issue("reward", "localhost", "127.0.0.1"),
+        client=ca.issue("coordinator", usage=CLIENT),
+        stranger=write_pem(d, "stranger", stranger, other),
         token=str(token),
         wrong_token=str(wrong),
     )

@@ -50,6 +50,27 @@ def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int):
     return ids, labels, mask
 
 
+def greedy_generate(model, prompts: list[list[int]], pad_id: int, max_new_tokens: int) -> list[list[int]]:
+    """Greedy completion ids of one batch of prompt ids (Hugging Face ``generate``), left-padded
+    so every prompt ends where generation starts."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=pad_id,
+    )
+    return out[:, width:].tolist()
+
+
 def greedy_exact(model, tokenizer, rows: list[dict], completions: list[str], max_new_tokens: int) -> float:
     """Share of ``rows`` whose greedy completion equals the reference completion exactly."""
     import torch
@@ -63,22 +84,8 @@ def greedy_exact(model, tokenizer, rows: list[dict], completions: list[str], max
                 encode_example(tokenizer, r, c)
                 for r, c in zip(rows[start : start + 32], completions[start : start + 32], strict=True)
             ]
-            width = max(len(p) for p, _ in chunk)
-            # Left padding so every prompt ends where generation starts.
-            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for i, (p, _) in enumerate(chunk):
-                ids[i, width - len(p) :] = torch.tensor(p)
-                mask[i, width - len(p) :] = 1
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=pad,
-            )
-            for i, (_, c) in enumerate(chunk):
-                gen = out[i, width:].tolist()
+            outs = greedy_generate(model, [p for p, _ in chunk], pad, max_new_tokens)
+            for gen, (_, c) in zip(outs, chunk, strict=True):
                 if tokenizer.eos_token_id in gen:
                     gen = gen[: gen.index(tokenizer.eos_token_id) + 1]
                 hits += gen == c

@@ -177,31 +177,24 @@ def test_a_learner_crash_stops_the_run_with_a_resumable_checkpoint(workspace):
     assert state["tag"] == "step2" and (run_dir / "checkpoints" / "step2").is_dir()
 
 
-def test_status_and_stop_talk_to_the_running_coordinator(workspace):
-    import time
-
-    root, exp = workspace
-    log = open(root / "stop-run.log", "w")
+def _long_run(root: Path, exp: Path, name: str, logname: str):
+    """``relayrl run`` of a 200-step variant in the background, logging to ``root/logname``."""
+    log = open(root / logname, "w")
+    args = ["--set", f"name={name}", "--set", "schedule.steps=200", "--set", "schedule.eval_every=0"]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "relayrl.cli",
-            "run",
-            str(exp),
-            "--set",
-            "name=stoppable",
-            "--set",
-            "schedule.steps=200",
-            "--set",
-            "schedule.eval_every=0",
-            "--set",
-            "learner.world_size=1",
-        ],
+        [sys.executable, "-m", "relayrl.cli", "run", str(exp), *args, "--set", "learner.world_size=1"],
         cwd=root,
         stdout=log,
         stderr=subprocess.STDOUT,
     )
+    return log, proc
+
+
+def test_status_and_stop_talk_to_the_running_coordinator(workspace):
+    import time
+
+    root, exp = workspace
+    log, proc = _long_run(root, exp, "stoppable", "stop-run.log")
     try:
         deadline = time.monotonic() + 300
         out = ""
@@ -237,27 +230,7 @@ def test_sigterm_ends_the_run_and_its_services(workspace):
     import psutil
 
     root, exp = workspace
-    log = open(root / "term-run.log", "w")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "relayrl.cli",
-            "run",
-            str(exp),
-            "--set",
-            "name=terminated",
-            "--set",
-            "schedule.steps=200",
-            "--set",
-            "schedule.eval_every=0",
-            "--set",
-            "learner.world_size=1",
-        ],
-        cwd=root,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    log, proc = _long_run(root, exp, "terminated", "term-run.log")
     try:
         deadline = time.monotonic() + 300
         children: list[psutil.Process] = []

@@ -25,9 +25,12 @@ class ServiceProcess:
         log_dir: Path,
         env: dict[str, str] | None = None,
         entry: list[str] | None = None,
+        cwd: Path | None = None,
     ):
         """``entry`` replaces ``relayrl serve`` as the program ``args`` go to (a learner rank that
-        a Ray actor starts without torchrun: ``[python, -m, relayrl.learner.rank]``)."""
+        a Ray actor starts without torchrun: ``[python, -m, relayrl.learner.rank]``; a service
+        started inside a network namespace: ``[ip, netns, exec, NS, python, -m, relayrl.cli,
+        serve]``). ``cwd``: the process's working folder (default: this one's)."""
         self.name = name
         log_dir.mkdir(parents=True, exist_ok=True)
         self.port_file = log_dir / f"{name}.port"
@@ -38,6 +41,7 @@ class ServiceProcess:
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             self.command,
+            cwd=cwd,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

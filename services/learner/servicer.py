@@ -38,7 +38,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         bucket_bytes: int,
         max_tokens: int,
         on_broken: Callable[[], None] | None = None,
-        checkpoint_dir: str | Path = "checkpoints",
+        *,
+        checkpoint_dir: str | Path,
     ):
         self.core = core
         self.checkpoint_dir = Path(checkpoint_dir).resolve()

@@ -16,11 +16,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -81,48 +79,6 @@ def hosts(names: list[str]):
         subprocess.run(["ip", "link", "delete", bridge], capture_output=True)
 
 
-class Host:
-    """A process started inside a namespace, in its own folder, stopped with its whole group."""
-
-    def __init__(self, ns: str, cwd: Path, args: list[str], env: dict[str, str]):
-        cwd.mkdir(parents=True, exist_ok=True)
-        self.cwd = cwd
-        self.log = cwd / "service.log"
-        self.port_file = cwd / "port"
-        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "relayrl.cli", "--log-level", "INFO", *args]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                cmd,
-                cwd=cwd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1", **env},
-            )
-
-    def wait_port(self, timeout: float) -> int:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.port_file.exists() and self.port_file.read_text().strip():
-                return int(self.port_file.read_text())
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.3)
-        raise AssertionError(f"service in {self.cwd} did not start:\n{self.tail()}")
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-
 EXPERIMENT = """
 name: netns
 seed: 0
@@ -160,6 +116,8 @@ def test_the_loop_runs_across_four_hosts(model, tmp_path):
     why = _netns_usable()
     if why:
         pytest.skip(why)
+    from relayrl.coordinator.launcher import ServiceProcess
+
     from tests.pki import CA
 
     pki = tmp_path / "pki"
@@ -169,7 +127,7 @@ def test_the_loop_runs_across_four_hosts(model, tmp_path):
     token.write_text("netns-test-token\n")
     names = ["learner", "learner-node1", "generator", "reward", "coordinator"]
     with hosts(names) as net, ExitStack() as stack:
-        started: dict[str, tuple[Host, str]] = {}
+        started: dict[str, tuple[ServiceProcess, str]] = {}
 
         def serve(name: str, *args: str) -> None:
             ns, addr = net[name]
@@ -178,19 +136,16 @@ def test_the_loop_runs_across_four_hosts(model, tmp_path):
             # Each host holds its own copy of what it needs: nothing is read across hosts.
             if name.startswith(("learner", "generator")):
                 shutil.copytree(model, home / "model")
-            host = Host(
-                ns,
-                home,
+            home.mkdir(parents=True, exist_ok=True)
+            host = ServiceProcess(
+                name,
                 [
-                    "serve",
                     name.split("-")[0],
                     *args,
                     "--host",
                     addr,
                     "--port",
                     "0",
-                    "--port-file",
-                    str(home / "port"),
                     "--tls-cert",
                     cert,
                     "--tls-key",
@@ -198,8 +153,22 @@ def test_the_loop_runs_across_four_hosts(model, tmp_path):
                     "--token-file",
                     str(token),
                 ],
+                home,
                 # vLLM asks for the host's address for its own (single-worker) rendezvous.
                 env={"VLLM_HOST_IP": addr, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+                entry=[
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    sys.executable,
+                    "-m",
+                    "relayrl.cli",
+                    "--log-level",
+                    "INFO",
+                    "serve",
+                ],
+                cwd=home,
             )
             stack.callback(host.stop)
             started[name] = (host, addr)
@@ -237,7 +206,7 @@ def test_the_loop_runs_across_four_hosts(model, tmp_path):
         serve("learner", *learner_args, "--node-rank", "0")
         serve("learner-node1", *learner_args, "--node-rank", "1")
         node1 = started.pop("learner-node1")[0]
-        addrs = {n: f"{a}:{h.wait_port(600)}" for n, (h, a) in started.items()}
+        addrs = {n: h.wait_ready(600, host=a) for n, (h, a) in started.items()}
         assert node1.proc.poll() is None, node1.tail()
         assert not node1.port_file.exists()  # ranks other than 0 follow, they do not serve
         for n, a in addrs.items():

@@ -19,11 +19,13 @@ format       <think>...</think><answer>...    --     1.0 when the completion has
 ============ =============================== ====== ===========================================
 
 Nothing here evaluates model output with ``eval``: countdown walks the ``ast`` of the equation and
-accepts numbers, + - * /, unary signs and parentheses only (no ``**``: ``9**9**9**9`` would never
-finish), with exact rational arithmetic and a cap on magnitudes. Scorers may still be slow on a
-pathological input (math-verify runs sympy); the service runs them in worker processes with a
-per-sample timeout (``relayrl.reward.pool``), so they need no defences of their own beyond being
-correct.
+accepts plain decimal integers, + - * /, unary signs and parentheses only (no ``**``:
+``9**9**9**9`` would never finish), with exact rational arithmetic and caps on magnitudes and
+nesting. Every scorer but ``math`` does work linear in the completion's length: extraction uses
+``rfind`` or regexes without two adjacent quantifiers over the same characters (``\\s*\\$?\\s*``
+backtracks quadratically on a long run of spaces). math-verify runs sympy, so its answers are
+capped in length, and the service still runs every scorer in worker processes with a per-sample
+timeout (``relayrl.reward.pool``) as the last line of defence.
 """
 
 from __future__ import annotations
@@ -45,6 +47,13 @@ MAX_MAGNITUDE = 10**18
 """Countdown: an intermediate value (numerator or denominator) beyond this rejects the equation."""
 MAX_NUMBER_CHARS = 200
 """Numeric answers longer than this are not parsed (wrong, not slow)."""
+MAX_EQUATION_DEPTH = 64
+"""Countdown: deeper nesting (parentheses, unary signs) rejects the equation (a real one has ~3)."""
+MAX_MATH_ANSWER_CHARS = 2000
+"""MATH: a boxed answer longer than this is wrong unparsed (sympy on it could take minutes)."""
+_EQUATION_CHARS = frozenset("0123456789+-*/() \t\n")
+"""What a countdown equation may be written with: Python's other integer spellings (``0x3d``,
+``0b1010001``, ``9_1``), comments and names never reach the parser."""
 
 
 @dataclass(frozen=True)
@@ -172,21 +181,25 @@ def _eval_equation(equation: str, numbers: list[int]) -> Fraction:
     """
     if len(equation) > MAX_EQUATION_CHARS:
         raise _BadEquation("equation too long")
+    if bad := set(equation) - _EQUATION_CHARS:
+        raise _BadEquation(f"characters {''.join(sorted(bad))!r} are not digits, + - * / or parentheses")
     try:
         tree = ast.parse(equation, mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
         raise _BadEquation(f"not an expression: {e}") from None
     used: list[int] = []
 
-    def walk(node: ast.AST) -> Fraction:
+    def walk(node: ast.AST, depth: int = 0) -> Fraction:
+        if depth > MAX_EQUATION_DEPTH:
+            raise _BadEquation("nested too deeply")
         if isinstance(node, ast.Constant) and type(node.value) is int:
             used.append(node.value)
             return Fraction(node.value)
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
-            v = walk(node.operand)
+            v = walk(node.operand, depth + 1)
             return -v if isinstance(node.op, ast.USub) else v
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Sub | ast.Mult | ast.Div):
-            a, b = walk(node.left), walk(node.right)
+            a, b = walk(node.left, depth + 1), walk(node.right, depth + 1)
             if isinstance(node.op, ast.Add):
                 v = a + b
             elif isinstance(node.op, ast.Sub):
@@ -221,8 +234,11 @@ def score_countdown(completion: str, ground_truth: Any, extra_info: dict) -> Sco
     ...     "(8 * 3 + 6 - 4",    # unbalanced parenthesis
     ...     "3 * 4 * 6 / (8 - 8)",  # division by zero
     ...     "3 ** 4 + 6 + 8",    # no powers
+    ...     "0x8 * 3 + 6 - 6",   # decimal integers only: no 0x, 0o, 0b, 1_0
+    ...     "8 * 3 + 6 - 6  # comment",
+    ...     "-" * 900 + "8 * 3 + 6 - 6",  # nested beyond any real equation
     ... )]
-    [0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]
+    [0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]
     >>> score_countdown("(8 - 6) * 3 * 4", gt, {}).reward  # right, but no tags
     0.0
     >>> score_countdown("<answer>24 / (1 - 3 / 4)</answer>", {"target": 96, "numbers": [24, 1, 3, 4]}, {}).reward
@@ -281,7 +297,9 @@ def score_reverse(completion: str, ground_truth: Any, extra_info: dict) -> Score
 
 # ---- GSM8K, MATH --------------------------------------------------------------------------------------
 
-_HASHES = re.compile(r"####\s*\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")
+# Whitespace, then "$" and whitespace only after a "$": ``\s*\$?\s*`` would try every split of a
+# long run of spaces between its two stars (77 s for "#### " + 100,000 spaces).
+_HASHES = re.compile(r"####\s*(?:\$\s*)?(-?[0-9][0-9,]*(?:\.[0-9]+)?)")
 _NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")
 
 
@@ -341,6 +359,8 @@ def score_math(completion: str, ground_truth: Any, extra_info: dict) -> ScoreRes
     answer = extract_boxed(completion)
     if answer is None:
         return _result(False, False, 0.0)
+    if len(answer) > MAX_MATH_ANSWER_CHARS:
+        return _result(True, False, 0.0)
     parsed = parse("\\boxed{" + answer + "}") if answer else []
     return _result(True, bool(parsed) and bool(verify(gold, parsed)), 0.0)
 

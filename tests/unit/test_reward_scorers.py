@@ -61,6 +61,13 @@ COUNTDOWN = {"target": 24, "numbers": [3, 4, 6, 8]}
         ("__import__('os')", 0.1),
         ("(8.0 - 6) * 3 * 4", 0.1),  # floats are not the given integers
         ("", 0.1),
+        # Python's other integer spellings and comments are not what a person calls numbers
+        ("(0x8 - 6) * 3 * 4", 0.1),
+        ("(0o10 - 6) * 3 * 4", 0.1),
+        ("(0b1000 - 6) * 3 * 4", 0.1),
+        ("(8 - 6) * 3 * 4_0 / 10", 0.1),
+        ("(8 - 6) * 3 * 4  # done", 0.1),
+        ("-" * 900 + "(8 - 6) * 3 * 4", 0.1),  # 900 unary minus signs: nested past any equation
     ],
 )
 def test_countdown_follows_tinyzero_rules(answer, reward):
@@ -190,3 +197,42 @@ def test_format_reward_wants_think_then_answer():
 def test_check_result_rejects_garbage(value):
     with pytest.raises((TypeError, ValueError)):
         check_result(value)
+
+
+# Completions built to make a careless parser slow: long runs after a marker, deep nesting, markers
+# repeated thousands of times. ~1 MB each; linear work takes milliseconds, quadratic takes hours.
+_MB = 1 << 20
+HOSTILE = {
+    "spaces after ####": "#### " + " " * _MB,
+    "#### repeated": "#### $ " * (_MB // 7),
+    "spaces after <answer>": "<answer>" + " " * _MB + "</answer>",
+    "answer tags repeated": "<answer>" * (_MB // 8),
+    "digits and commas": "<answer>" + "1," * (_MB // 2) + "</answer>",
+    "nested braces": "\\boxed{" + "{" * _MB + "}",
+    "boxed repeated": "\\boxed{" * (_MB // 7),
+    "long boxed answer": "\\boxed{" + "1+" * (_MB // 2) + "1}",
+    "think tags repeated": "<think>" * (_MB // 7) + "</think><answer>1</answer>",
+    "unary minus": "<answer>" + "-" * _MB + "1</answer>",
+    "parentheses": "<answer>" + "(" * (_MB // 2) + "1" + ")" * (_MB // 2) + "</answer>",
+}
+TRUTH = {
+    "countdown": COUNTDOWN,
+    "arithmetic": "42",
+    "reverse": "1284",
+    "gsm8k": "1234",
+    "math": "\\frac{1}{2}",
+    "format": "",
+}
+
+
+@pytest.mark.parametrize("source", sorted(SCORERS))
+def test_every_scorer_does_bounded_work_on_hostile_completions(source):
+    """No scorer may stall a worker: every built-in one reads a 1 MB hostile completion in well
+    under a second (the quadratic GSM8K regex took 77 s on 100 KB)."""
+    family = next(f for f in TRUTH if f in source.lower())
+    for name, completion in HOSTILE.items():
+        t0 = time.monotonic()
+        r = score(source, completion, TRUTH[family])
+        took = time.monotonic() - t0
+        assert took < 2.0, f"{source} on {name!r}: {took:.1f}s"
+        assert r.components.get("correctness", 0.0) == 0.0, (source, name)

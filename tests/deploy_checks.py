@@ -264,11 +264,7 @@ async def reward_server(serve, ready: bool = True):
     """A RewardService scoring 1.0, built by the bootstrap every service uses with the access
     settings of ``serve`` (a ``ServeConfig``), on 127.0.0.1 and a free port; yields the port."""
     local = serve.model_copy(update={"host": "127.0.0.1", "port": 0, "metrics_port": None})
-    handle = create_server(
-        lambda s: reward_pb2_grpc.add_RewardServiceServicer_to_server(_Reward(), s),
-        FULL_NAME["reward"],
-        local,
-    )
+    handle = create_server(_Reward(), reward_pb2.DESCRIPTOR.services_by_name["RewardService"], local)
     await start(handle, ready=ready)
     try:
         yield handle.port

@@ -23,8 +23,10 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from relayrl.common.rpc import decoder
 from relayrl.common.security import server_security
 from relayrl.common.serving import ServeConfig
 
@@ -59,14 +61,38 @@ class ServerHandle:
                 logger.exception("shutdown hook failed")
 
 
+def add_service(server: grpc.aio.Server, servicer: object, service: ServiceDescriptor) -> None:
+    """Register ``servicer`` for ``service`` as the generated ``add_*_to_server`` does, except that
+    requests decode with ``rpc.decoder``: bytes that are not the message reach the servicer's
+    ``map_errors`` and come back INVALID_ARGUMENT (gRPC itself would answer UNKNOWN)."""
+    from google.protobuf.message_factory import GetMessageClass
+
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    handlers = {
+        m.name: kinds[(m.client_streaming, m.server_streaming)](
+            getattr(servicer, m.name),
+            request_deserializer=decoder(GetMessageClass(m.input_type)),
+            response_serializer=GetMessageClass(m.output_type).SerializeToString,
+        )
+        for m in service.methods
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
 def create_server(
-    register: Callable[[grpc.aio.Server], None],
-    service_full_name: str,
+    servicer: object,
+    service: ServiceDescriptor,
     serve: ServeConfig | None = None,
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
 ) -> ServerHandle:
-    """Build and bind a server as ``serve`` says (default: loopback, a free port, no TLS);
-    ``register`` adds the servicer(s). Returns before starting.
+    """Build and bind a server for ``servicer`` of ``service`` as ``serve`` says (default:
+    loopback, a free port, no TLS). Returns before starting.
 
     Raises ``SecurityError`` (nothing bound) when the access settings are unusable: a bind off
     loopback without TLS and not ``insecure``, an unreadable certificate or token file.
@@ -82,7 +108,8 @@ def create_server(
             ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
         ],
     )
-    register(server)
+    add_service(server, servicer, service)
+    service_full_name = service.full_name
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -5,6 +5,12 @@ servicer maps them, through ``map_errors``: bad request -> INVALID_ARGUMENT, not
 swap -> UNAVAILABLE, wrong version or state -> FAILED_PRECONDITION, queue full ->
 RESOURCE_EXHAUSTED, anything else -> logged with its traceback, INTERNAL. Errors travel as gRPC
 status, never as an error field inside a success message.
+
+``map_errors`` also checks every request message before the servicer sees it: bytes that do not
+decode (``decoder`` hands them over as ``Undecodable`` instead of failing inside gRPC, which
+would answer UNKNOWN) and fields the contract does not know are INVALID_ARGUMENT. Status details
+are capped (``MAX_DETAIL_CHARS``): a message that quotes a huge input must not grow past what
+gRPC's trailers carry and turn into an unrelated RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -86,24 +92,76 @@ def unknown_fields(msg: Message, path: str = "") -> list[str]:
 
 def check_no_unknown_fields(msg: Message) -> None:
     if bad := unknown_fields(msg):
-        raise InvalidRequest("; ".join(bad) + " (client built from a newer contract?)")
+        raise InvalidRequest(bounded("; ".join(bad)) + " (client built from a newer contract?)")
+
+
+MAX_DETAIL_CHARS = 1000
+"""Longest status message a service sends (gRPC carries it in a trailer of a few KiB)."""
+
+
+def bounded(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was left out.
+
+    >>> bounded("x" * 10, 4)
+    'xxxx... (6 more characters)'
+    """
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+class Undecodable:
+    """What ``decoder`` hands a servicer for bytes that are not the expected message."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def decoder(cls: type[Message]) -> Callable[[bytes], Message | Undecodable]:
+    """A request deserializer that never raises: bad bytes become ``Undecodable``."""
+
+    def decode(data: bytes) -> Message | Undecodable:
+        try:
+            return cls.FromString(data)
+        except Exception as e:  # DecodeError, and RecursionError on absurd nesting
+            return Undecodable(f"request is not a valid {cls.DESCRIPTOR.full_name}: {bounded(str(e), 200)}")
+
+    return decode
+
+
+def checked(msg: Any) -> Message:
+    """A request message fit for a servicer, or InvalidRequest: undecodable or unknown fields."""
+    if isinstance(msg, Undecodable):
+        raise InvalidRequest(msg.why)
+    check_no_unknown_fields(msg)
+    return msg
+
+
+async def _checked_stream(requests):
+    async for msg in requests:
+        yield checked(msg)
+
+
+def _checked_request(request: Any) -> Any:
+    if isinstance(request, Message | Undecodable):
+        return checked(request)
+    return _checked_stream(request)  # a client stream: each message checked as it arrives
 
 
 def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, ServiceError):
-        return exc.code, str(exc)
+        return exc.code, bounded(str(exc))
     logger.error("unexpected error", exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    return grpc.StatusCode.INTERNAL, bounded(f"internal error: {type(exc).__name__}: {exc}")
 
 
 def map_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorate a servicer method (unary or server-streaming) to map exceptions to statuses."""
+    """Decorate a servicer method (unary or server-streaming; a client stream is checked message
+    by message) to check its request and map exceptions to statuses."""
     if inspect.isasyncgenfunction(fn):
 
         @functools.wraps(fn)
         async def stream(self, request, context):
             try:
-                async for item in fn(self, request, context):
+                async for item in fn(self, _checked_request(request), context):
                     yield item
             except grpc.aio.AbortError:
                 raise
@@ -111,16 +169,18 @@ def map_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
                 code, msg = _status_for(e)
                 await context.abort(code, msg)
 
+        stream.maps_errors = True
         return stream
 
     @functools.wraps(fn)
     async def unary(self, request, context):
         try:
-            return await fn(self, request, context)
+            return await fn(self, _checked_request(request), context)
         except grpc.aio.AbortError:
             raise
         except Exception as e:
             code, msg = _status_for(e)
             await context.abort(code, msg)
 
+    unary.maps_errors = True
     return unary

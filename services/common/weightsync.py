@@ -142,6 +142,36 @@ def unpack(bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def non_finite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """The name of the first floating-point tensor holding NaN or an infinity, else None. A policy
+    that diverged must not reach (or be loaded by) a generator, where it would sample garbage.
+
+    >>> import torch
+    >>> non_finite([("a", torch.ones(2)), ("b", torch.tensor([1.0, float("nan")])), ("c", torch.ones(1))])
+    'b'
+    >>> non_finite([("ids", torch.tensor([1, 2]))]) is None
+    True
+    """
+    import torch
+
+    for name, t in named:
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
+
+
+def from_bytes(data: bytes, meta: TensorMeta) -> torch.Tensor:
+    """A read-only view of ``data`` as the tensor ``meta`` describes (no copy)."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():  # bytes are immutable; nothing writes through this view
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return flat.view(torch_dtype(meta.dtype)).view(meta.shape)
+
+
 def checksum(buf: torch.Tensor) -> int:
     """Order-independent integrity sum of a uint8 bucket: little-endian int64 words (a trailing
     partial word as bytes), summed modulo 2^64. About 20 ms per 400 MB on one CPU core.

@@ -12,19 +12,16 @@ from relayrl.common.grpc_server import (
 from relayrl.common.serving import ServeConfig
 from relayrl.coordinator.registry import Registry
 from relayrl.coordinator.servicer import CoordinatorServicer
-from relayrl.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
+from relayrl.coordinator.v1 import coordinator_pb2
 
-SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name
+DESCRIPTOR = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"]
+SERVICE = DESCRIPTOR.full_name
 
 
 def build(registry: Registry, serve: ServeConfig | None = None) -> ServerHandle:
     """The server around ``registry`` (bound, not started); default: loopback, a free port."""
     servicer = CoordinatorServicer(registry)
-    return create_server(
-        lambda s: coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, s),
-        SERVICE,
-        serve,
-    )
+    return create_server(servicer, DESCRIPTOR, serve)
 
 
 async def run(config, port_file: str | None = None) -> None:

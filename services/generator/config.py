@@ -48,3 +48,10 @@ class GeneratorConfig(StrictModel):
     """Name reported with every sample; empty means ``<hostname>:<port>``."""
     max_pending_requests: int = Field(1024, ge=1)
     """Generate requests queued beyond this get RESOURCE_EXHAUSTED instead of waiting forever."""
+    max_samples_per_request: int = Field(16384, ge=1, le=1 << 20)
+    """Most samples (prompts x n) one Generate may ask for; more is INVALID_ARGUMENT."""
+    max_prompt_chars: int = Field(0, ge=0)
+    """Longest text or chat prompt (characters, all messages together) tokenized for a request;
+    longer is INVALID_ARGUMENT before any work. 0: 32 characters per token of the model's
+    context, more than any tokenizer packs into one token, so only prompts that cannot fit are
+    refused."""

@@ -15,20 +15,17 @@ from relayrl.common.grpc_server import (
 from relayrl.generator.config import GeneratorConfig
 from relayrl.generator.engine import GenerationEngine
 from relayrl.generator.servicer import GeneratorServicer
-from relayrl.generator.v1 import generator_pb2, generator_pb2_grpc
+from relayrl.generator.v1 import generator_pb2
 
 logger = logging.getLogger(__name__)
-SERVICE = generator_pb2.DESCRIPTOR.services_by_name["GeneratorService"].full_name
+DESCRIPTOR = generator_pb2.DESCRIPTOR.services_by_name["GeneratorService"]
+SERVICE = DESCRIPTOR.full_name
 
 
 def build(engine: GenerationEngine, config: GeneratorConfig) -> ServerHandle:
     """The server around ``engine`` (bound, not started); tests pass a fake engine here."""
-    servicer = GeneratorServicer(engine, config.max_pending_requests)
-    handle = create_server(
-        lambda s: generator_pb2_grpc.add_GeneratorServiceServicer_to_server(servicer, s),
-        SERVICE,
-        config.serve,
-    )
+    servicer = GeneratorServicer(engine, config)
+    handle = create_server(servicer, DESCRIPTOR, config.serve)
     servicer.set_ready = handle.set_ready  # readiness flips around weight swaps
     handle.on_shutdown.append(engine.shutdown)
     return handle
@@ -36,7 +33,7 @@ def build(engine: GenerationEngine, config: GeneratorConfig) -> ServerHandle:
 
 async def run(config: GeneratorConfig, port_file: str | None = None) -> None:
     """Start vLLM, serve until SIGTERM, drain, shut the engine down."""
-    from relayrl.generator.engine import VLLMEngine
+    from relayrl.generator.vllm_engine import VLLMEngine
 
     if not config.engine.model:
         raise SystemExit("generator: engine.model (--model) is required")

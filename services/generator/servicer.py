@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 
 from relayrl.common import weightsync as ws
-from relayrl.common.rpc import InvalidRequest, ResourceExhausted, check_no_unknown_fields, map_errors
+from relayrl.common.rpc import InvalidRequest, ResourceExhausted, bounded, map_errors
 from relayrl.common.tensors import DTYPE_NAMES
 from relayrl.common.v1 import common_pb2
 from relayrl.generator import metrics
+from relayrl.generator.config import GeneratorConfig
 from relayrl.generator.engine import GenerationEngine, PromptIn, SampleOut, SamplingSpec
 from relayrl.generator.v1 import generator_pb2, generator_pb2_grpc
 
@@ -21,18 +23,34 @@ _FINISH = {
 }
 
 
+MAX_STOPS = 64
+"""Most stop strings (and stop token ids) a request may give."""
+MAX_STOP_CHARS = 256
+"""Longest stop string (each is searched in the text after every token)."""
+MAX_SYNC_TIMEOUT_S = 86400.0
+"""Longest InitWeightSync timeout accepted (a day)."""
+MAX_TEMPERATURE = 100.0
+"""Highest sampling temperature accepted (engines may allow less: vLLM stops at 2)."""
+
+
 def sampling_from_proto(p: generator_pb2.SamplingParams) -> SamplingSpec:
     """Apply the contract's defaults and bounds; errors name the field."""
     if p.n < 1:
         raise InvalidRequest("sampling.n must be at least 1")
     temperature = p.temperature if p.HasField("temperature") else 1.0
     top_p = p.top_p if p.HasField("top_p") else 1.0
-    if not temperature >= 0:
-        raise InvalidRequest(f"sampling.temperature must be >= 0, got {temperature}")
+    if not 0 <= temperature <= MAX_TEMPERATURE:  # also refuses NaN
+        raise InvalidRequest(f"sampling.temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature}")
     if not 0 < top_p <= 1:
         raise InvalidRequest(f"sampling.top_p must be in (0, 1], got {top_p}")
     if p.top_k < -1:
         raise InvalidRequest(f"sampling.top_k must be -1, 0 (off) or positive, got {p.top_k}")
+    if len(p.stop) > MAX_STOPS or len(p.stop_token_ids) > MAX_STOPS:
+        raise InvalidRequest(
+            f"sampling.stop and sampling.stop_token_ids take at most {MAX_STOPS} values each"
+        )
+    if any(not 0 < len(s) <= MAX_STOP_CHARS for s in p.stop):
+        raise InvalidRequest(f"sampling.stop strings must have 1 to {MAX_STOP_CHARS} characters")
     return SamplingSpec(
         n=p.n,
         temperature=temperature,
@@ -93,48 +111,70 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
     def __init__(
         self,
         engine: GenerationEngine,
-        max_pending: int,
+        config: GeneratorConfig,
         set_ready: Callable[[bool], Awaitable[None]] | None = None,
     ):
         self.engine = engine
-        self.max_pending = max_pending
+        self.config = config
+        self.max_pending = config.max_pending_requests
         self.pending = 0
         self.set_ready = set_ready
 
-    def _prompt(self, p: common_pb2.Prompt, spec: SamplingSpec) -> PromptIn:
+    def _prompt_chars(self) -> int:
+        return self.config.max_prompt_chars or 32 * self.engine.status().max_model_len
+
+    def _encode(self, p: common_pb2.Prompt, spec: SamplingSpec) -> PromptIn:
+        """Tokenize and check one prompt (CPU work: runs in a worker thread, see ``Generate``)."""
+        name = bounded(repr(p.prompt_id), 80)
         kind = p.WhichOneof("input")
         if kind == "token_ids":
             ids = list(p.token_ids.ids)
-        elif kind == "messages":
+        elif kind in ("messages", "text"):
             msgs = [{"role": m.role, "content": m.content} for m in p.messages.messages]
-            if not msgs:
-                raise InvalidRequest(f"prompt {p.prompt_id!r}: messages is empty")
-            ids = self.engine.encode_messages(msgs)
-        elif kind == "text":
-            ids = self.engine.encode_text(p.text) if p.text else []
+            size = (
+                sum(len(m["role"]) + len(m["content"]) for m in msgs) if kind == "messages" else len(p.text)
+            )
+            if size > self._prompt_chars():
+                raise InvalidRequest(
+                    f"prompt {name}: {size} characters; at most {self._prompt_chars()} (max_prompt_chars)"
+                )
+            if kind == "messages" and not msgs:
+                raise InvalidRequest(f"prompt {name}: messages is empty")
+            ids = self.engine.encode_messages(msgs) if kind == "messages" else self.engine.encode_text(p.text)
         else:
-            raise InvalidRequest(f"prompt {p.prompt_id!r}: no input (token_ids, messages or text)")
+            raise InvalidRequest(f"prompt {name}: no input (token_ids, messages or text)")
         try:
             self.engine.check_prompt(ids, spec)
         except InvalidRequest as e:
-            raise InvalidRequest(f"prompt {p.prompt_id!r}: {e}") from None
+            raise InvalidRequest(f"prompt {name}: {e}") from None
         return PromptIn(p.prompt_id, tuple(ids))
 
     @map_errors
     async def Generate(self, request, context):
-        check_no_unknown_fields(request)
         if not request.prompts:
             raise InvalidRequest("prompts is empty")
+        if len(request.request_id) > 256:
+            raise InvalidRequest("request_id takes at most 256 characters")
         ids = [p.prompt_id for p in request.prompts]
+        if not all(ids):
+            raise InvalidRequest("every prompt needs a prompt_id")
         if len(set(ids)) != len(ids):
             raise InvalidRequest("prompt_id values must be unique within a request")
         spec = sampling_from_proto(request.sampling)
-        prompts = [self._prompt(p, spec) for p in request.prompts]
+        if len(ids) * spec.n > self.config.max_samples_per_request:
+            raise InvalidRequest(
+                f"{len(ids)} prompts x n={spec.n} samples exceeds {self.config.max_samples_per_request} "
+                "(max_samples_per_request)"
+            )
+        self.engine.check_sampling(spec)
         if self.pending >= self.max_pending:
             raise ResourceExhausted(f"{self.pending} Generate calls pending (max_pending_requests)")
         self.pending += 1
         code = "OK"
         try:
+            # Tokenizing is CPU work proportional to the prompts: never on the event loop, which
+            # must keep answering health checks and other calls meanwhile.
+            prompts = await asyncio.to_thread(lambda: [self._encode(p, spec) for p in request.prompts])
             async for s in self.engine.generate(request.request_id or uuid.uuid4().hex, prompts, spec):
                 metrics.TOKENS.inc(len(s.token_ids))
                 metrics.SAMPLES.labels(s.finish_reason).inc()
@@ -164,9 +204,22 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
 
     @map_errors
     async def InitWeightSync(self, request, context):
-        check_no_unknown_fields(request)
         if not request.master_addr or not request.master_port:
             raise InvalidRequest("master_addr and master_port are required")
+        if len(request.master_addr) > 255:
+            raise InvalidRequest("master_addr takes at most 255 characters")
+        if request.master_port > 65535:
+            raise InvalidRequest(f"master_port must be 1-65535, got {request.master_port}")
+        if request.backend not in ("", "gloo", "nccl"):
+            raise InvalidRequest(
+                f"backend must be 'nccl', 'gloo' or empty, got {bounded(request.backend, 40)!r}"
+            )
+        if not 0 <= request.timeout_seconds <= MAX_SYNC_TIMEOUT_S:  # also refuses NaN
+            raise InvalidRequest(
+                f"timeout_seconds must be in [0, {MAX_SYNC_TIMEOUT_S:g}], got {request.timeout_seconds}"
+            )
+        if len(request.group_name) > 128:
+            raise InvalidRequest("group_name takes at most 128 characters")
         rank, n = await self.engine.open_weight_sync(
             request.master_addr,
             request.master_port,
@@ -194,7 +247,6 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
 
     @map_errors
     async def UpdateWeights(self, request, context):
-        check_no_unknown_fields(request)
         buckets = [bucket_from_proto(b) for b in request.plan.buckets]
         if not buckets:
             raise InvalidRequest("plan has no buckets")
@@ -222,7 +274,6 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         partial: dict[str, tuple[ws.TensorMeta, bytearray]] = {}
         done: set[str] = set()
         async for i, msg in _enumerate(request_iterator):
-            check_no_unknown_fields(msg)
             if i == 0:
                 version, declared = msg.version, msg.num_tensors
             t = msg.tensor

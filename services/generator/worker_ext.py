@@ -117,9 +117,18 @@ class WeightSyncExtension:
     def _relayrl_stream(
         self, pg, buckets: list[ws.Bucket], device: torch.device
     ) -> Iterator[tuple[str, torch.Tensor]]:
+        bad = None
         for b, buf in self._relayrl_buffers(pg, buckets):
             self._relayrl_checksums.append(ws.checksum(buf))
-            yield from ws.unpack(b, buf.to(device))
+            if bad is not None:
+                continue  # drain the rest: the sender must not be left blocked mid-broadcast
+            tensors = ws.unpack(b, buf.to(device))
+            if (bad := ws.non_finite(tensors)) is None:
+                yield from tensors
+        if bad is not None:
+            # Loading stopped at that bucket; the engine marks the replica unready rather than
+            # serve a policy that is part old, part garbage.
+            raise ValueError(f"{bad}: received NaN or infinite values")
 
     def relayrl_load_bytes(self, items: list[tuple[str, str, list[int], bytes]]) -> int:
         """Load tensors sent as raw bytes (the gRPC fallback path). Returns the bytes loaded."""

@@ -47,7 +47,7 @@ async def serve(core, cfg: LearnerConfig, backend: str, port_file: str | None) -
     from relayrl.common.grpc_server import announce_and_serve, create_server, start, start_metrics_server
     from relayrl.learner.servicer import LearnerServicer
     from relayrl.learner.sync import WeightSync
-    from relayrl.learner.v1 import learner_pb2, learner_pb2_grpc
+    from relayrl.learner.v1 import learner_pb2
 
     host = cfg.weight_sync_host or (
         cfg.serve.host if cfg.serve.host not in ("0.0.0.0", "::") else socket.gethostname()
@@ -69,12 +69,7 @@ async def serve(core, cfg: LearnerConfig, backend: str, port_file: str | None) -
         cfg.loss.max_tokens_normaliser or 0,
         checkpoint_dir=cfg.checkpoint_dir,
     )
-    name = learner_pb2.DESCRIPTOR.services_by_name["LearnerService"].full_name
-    handle = create_server(
-        lambda s: learner_pb2_grpc.add_LearnerServiceServicer_to_server(servicer, s),
-        name,
-        cfg.serve,
-    )
+    handle = create_server(servicer, learner_pb2.DESCRIPTOR.services_by_name["LearnerService"], cfg.serve)
     servicer.on_broken = lambda: asyncio.ensure_future(handle.set_ready(False))
 
     async def release_followers() -> None:

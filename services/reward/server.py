@@ -14,20 +14,17 @@ from relayrl.common.grpc_server import (
 from relayrl.reward.config import RewardConfig
 from relayrl.reward.pool import PluginError, ScoringPool
 from relayrl.reward.servicer import RewardServicer
-from relayrl.reward.v1 import reward_pb2, reward_pb2_grpc
+from relayrl.reward.v1 import reward_pb2
 
 logger = logging.getLogger(__name__)
-SERVICE = reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name
+DESCRIPTOR = reward_pb2.DESCRIPTOR.services_by_name["RewardService"]
+SERVICE = DESCRIPTOR.full_name
 
 
 def build(pool: ScoringPool, config: RewardConfig) -> ServerHandle:
     """The server around ``pool`` (bound, not started); shutting it down closes the pool."""
     servicer = RewardServicer(pool, config.timeout_seconds)
-    handle = create_server(
-        lambda s: reward_pb2_grpc.add_RewardServiceServicer_to_server(servicer, s),
-        SERVICE,
-        config.serve,
-    )
+    handle = create_server(servicer, DESCRIPTOR, config.serve)
     handle.on_shutdown.append(pool.close)
     return handle
 

@@ -51,6 +51,10 @@ class FakeEngine:
         if not token_ids:
             raise InvalidRequest("prompt is empty")
 
+    def check_sampling(self, spec):
+        if spec.temperature > 2:
+            raise InvalidRequest(f"sampling: temperature must be at most 2, got {spec.temperature}")
+
     async def generate(self, request_id, prompts, spec):
         self.calls.append((request_id, prompts, spec))
         self.active += 1
@@ -207,12 +211,28 @@ async def test_generate_streams_one_message_per_sample_with_fields_mapped(svc):
         (req(n=0), "sampling.n must be at least 1"),
         (req(top_p=0.0), "sampling.top_p must be in (0, 1]"),
         (req(top_p=1.5), "sampling.top_p must be in (0, 1]"),
-        (req(temperature=-0.1), "sampling.temperature must be >= 0"),
+        (req(temperature=-0.1), "sampling.temperature must be in [0, 100]"),
+        (req(temperature=float("nan")), "sampling.temperature must be in [0, 100]"),
+        (req(temperature=float("inf")), "sampling.temperature must be in [0, 100]"),
+        (req(temperature=2.5), "sampling: temperature must be at most 2"),  # engine.check_sampling
         (req(top_k=-2), "sampling.top_k must be -1, 0 (off) or positive"),
+        (req(stop=["ok", ""]), "sampling.stop strings must have 1 to 256 characters"),
+        (req(stop=["x" * 257]), "sampling.stop strings must have 1 to 256 characters"),
+        (req(stop=["s"] * 65), "at most 64 values each"),
+        (req(n=20000), "exceeds 16384 (max_samples_per_request)"),
+        (req(tok("a", 1), tok("", 2)), "every prompt needs a prompt_id"),
+        (g.GenerateRequest(request_id="r" * 300, prompts=[tok("a", 1)]), "request_id takes at most 256"),
         (req(c.Prompt(prompt_id="x")), "prompt 'x': no input"),
         (req(c.Prompt(prompt_id="m", messages=c.ChatMessages())), "prompt 'm': messages is empty"),
         (req(tok("e")), "prompt 'e': prompt is empty"),  # engine.check_prompt, prompt id added
         (req(c.Prompt(prompt_id="t", text="")), "prompt 't': prompt is empty"),
+        # the fake's context is 64 tokens: 32 characters per token is the default ceiling
+        (req(c.Prompt(prompt_id="big", text="x" * 2049)), "prompt 'big': 2049 characters; at most 2048"),
+        (
+            req(c.Prompt(prompt_id="chat", messages=c.ChatMessages(messages=[c.ChatMessage(role="user", content="x" * 5000)]))),
+            "prompt 'chat': 5004 characters",
+        ),
+        (req(c.Prompt(prompt_id="q" * 5000, token_ids=c.TokenIds())), "prompt 'qqqqq"),  # name bounded
     ],
 )
 async def test_generate_bad_input_is_invalid_argument(svc, request_, problem):

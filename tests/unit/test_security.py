@@ -28,7 +28,8 @@ from relayrl.reward.v1 import reward_pb2_grpc
 
 from tests.pki import CA, CLIENT, certificate, new_key, write_pem
 
-SERVICE = r.DESCRIPTOR.services_by_name["RewardService"].full_name
+DESCRIPTOR = r.DESCRIPTOR.services_by_name["RewardService"]
+SERVICE = DESCRIPTOR.full_name
 TOKEN = "s3cret-token-0123456789"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
@@ -66,11 +67,7 @@ class _Reward(reward_pb2_grpc.RewardServiceServicer):
 
 @contextlib.asynccontextmanager
 async def served(**serve):
-    handle = create_server(
-        lambda s: reward_pb2_grpc.add_RewardServiceServicer_to_server(_Reward(), s),
-        SERVICE,
-        ServeConfig(**serve),
-    )
+    handle = create_server(_Reward(), DESCRIPTOR, ServeConfig(**serve))
     await start(handle, ready=True)
     try:
         yield f"127.0.0.1:{handle.port}"
@@ -186,9 +183,9 @@ def test_loopback_needs_nothing(host):
 
 def test_create_server_refuses_before_binding(pki):
     with pytest.raises(security.SecurityError, match="--insecure"):
-        create_server(lambda s: None, SERVICE, ServeConfig(host="0.0.0.0"))
+        create_server(_Reward(), DESCRIPTOR, ServeConfig(host="0.0.0.0"))
     with pytest.raises(security.SecurityError, match="cannot read"):
-        create_server(lambda s: None, SERVICE, ServeConfig(token_file=pki.token + ".missing"))
+        create_server(_Reward(), DESCRIPTOR, ServeConfig(token_file=pki.token + ".missing"))
 
 
 def test_config_validation(pki, tmp_path):

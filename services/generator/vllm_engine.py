@@ -379,12 +379,17 @@ class VLLMEngine:
                 try:
                     try:
                         results = await llm.collective_rpc(method, args=args)
-                    except Exception:
-                        # A load that failed half-way leaves weights of no known version:
-                        # stop being ready so no sample is attributed to the wrong policy.
+                    except Exception as e:
+                        # A load that failed half-way leaves weights of no known version: stop
+                        # being ready so no sample is attributed to the wrong policy, until a
+                        # complete load (every tensor, as check_plan demands) succeeds.
                         self._weights_broken = True
-                        raise
+                        raise Unavailable(
+                            f"weight load of version {version} failed half-way ({e}); the replica "
+                            "serves nothing until a complete version loads"
+                        ) from e
                     self.version = version
+                    self._weights_broken = False
                     await llm.reset_prefix_cache()
                 finally:
                     await llm.resume_generation()

@@ -229,7 +229,12 @@ async def test_generate_streams_one_message_per_sample_with_fields_mapped(svc):
         # the fake's context is 64 tokens: 32 characters per token is the default ceiling
         (req(c.Prompt(prompt_id="big", text="x" * 2049)), "prompt 'big': 2049 characters; at most 2048"),
         (
-            req(c.Prompt(prompt_id="chat", messages=c.ChatMessages(messages=[c.ChatMessage(role="user", content="x" * 5000)]))),
+            req(
+                c.Prompt(
+                    prompt_id="chat",
+                    messages=c.ChatMessages(messages=[c.ChatMessage(role="user", content="x" * 5000)]),
+                )
+            ),
             "prompt 'chat': 5004 characters",
         ),
         (req(c.Prompt(prompt_id="q" * 5000, token_ids=c.TokenIds())), "prompt 'qqqqq"),  # name bounded

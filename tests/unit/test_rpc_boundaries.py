@@ -104,7 +104,9 @@ async def test_invalid_utf8_in_a_string_field_is_invalid_argument():
     method = desc.methods_by_name["GetExperimentStatus"]
     async with channel_to(echo_servicer(desc), desc) as ch:
         err = await call_raw(ch, desc, method, b"\x0a\x02\xc3\x28")  # run_id = invalid UTF-8
-        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "GetExperimentStatusRequest" in err.details()
+        assert (
+            err.code() == grpc.StatusCode.INVALID_ARGUMENT and "GetExperimentStatusRequest" in err.details()
+        )
 
 
 async def test_error_details_are_bounded_whatever_the_input():

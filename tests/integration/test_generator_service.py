@@ -7,6 +7,7 @@ the policy version only grows, as it does in a real run.
 from __future__ import annotations
 
 import math
+import os
 import socket
 import threading
 import time
@@ -282,40 +283,49 @@ def _teacher_forced(model, weights: dict, prompt: list[int], completion: list[in
     return logp, gap
 
 
+def _version(stub) -> int:
+    return stub.GetStatus(g.GetStatusRequest(), timeout=5).policy_version
+
+
+INFLIGHT_REPEATS = int(os.environ.get("RELAYRL_INFLIGHT_REPEATS", "1"))
+"""Rounds of the in-flight test (each a new swap inside a new sample); raise it to stress it."""
+
+
 def test_in_flight_sample_carries_both_versions(server, hf):
-    """A swap during greedy generation: tokens [0, k) are version 1's choices and tokens [k, n)
-    exactly what version 2 chooses given the prefix before each of them (checked token by token,
-    teacher-forced: a float tie between two logits may go either way, anything else may not)."""
+    """A swap during greedy generation: tokens [0, k) are the old version's choices and tokens
+    [k, n) exactly what the new version chooses given the prefix before each of them (checked
+    token by token, teacher-forced: a float tie between two logits may go either way, anything
+    else may not)."""
     stub, _, _ = server
     tok, model = hf
     learner = server_learner["l"]
-    v1 = {n: p.detach().clone() for n, p in model.named_parameters()}
-    v2 = _perturbed(model, seed=2)
+    weights = [{n: p.detach().clone() for n, p in model.named_parameters()}, _perturbed(model, seed=2)]
     n_tokens = 900
-    req = g.GenerateRequest(
-        request_id="straddle",
-        prompts=[_prompt(0, PROMPTS[0])],
-        sampling=g.SamplingParams(n=1, temperature=0.0, max_tokens=n_tokens, ignore_eos=True),
-    )
-    (s,) = _swap_mid_generation(stub, learner, 2, v2, req)
-    spans = [(sp.version, sp.start, sp.end) for sp in s.version_spans]
-    assert len(spans) == 2, f"swap did not land mid-sample: {spans}"
-    (va, a0, k), (vb, b0, b1) = spans
-    assert (va, a0, vb, b0, b1) == (1, 0, 2, k, n_tokens) and 0 < k < n_tokens
-    assert s.policy_version == 1 and len(s.completion_token_ids) == n_tokens
-    prompt, toks = list(s.prompt_token_ids), list(s.completion_token_ids)
-    _, gap1 = _teacher_forced(model, v1, prompt, toks)
-    _, gap2 = _teacher_forced(model, v2, prompt, toks)
     tie = 1e-3  # fp32 logits of vLLM's CPU kernels and of transformers agree far closer than this
-    assert (gap1[:k] <= tie).all(), (
-        f"tokens before the boundary that version 1 would not choose: {(gap1[:k] > tie).nonzero()[:, 0].tolist()}"
-    )
-    assert (gap2[k:] <= tie).all(), (
-        f"tokens after the boundary that version 2 would not choose: {(gap2[k:] > tie).nonzero()[:, 0].add(k).tolist()}"
-    )
-    # The versions really differ here: version 2 would not have chosen most of version 1's tokens.
-    assert (gap2[:k] > tie).float().mean() > 0.5 or k < 10
-    model.load_state_dict(v2, strict=False)
+    for r in range(INFLIGHT_REPEATS):
+        old, new = weights[r % 2], weights[(r + 1) % 2]
+        v = _version(stub)
+        req = g.GenerateRequest(
+            request_id=f"straddle-{r}",
+            prompts=[_prompt(0, PROMPTS[r % len(PROMPTS)])],
+            sampling=g.SamplingParams(n=1, temperature=0.0, max_tokens=n_tokens, ignore_eos=True),
+        )
+        (s,) = _swap_mid_generation(stub, learner, v + 1, new, req)
+        spans = [(sp.version, sp.start, sp.end) for sp in s.version_spans]
+        assert len(spans) == 2, f"round {r}: swap did not land mid-sample: {spans}"
+        (va, a0, k), (vb, b0, b1) = spans
+        assert (va, a0, vb, b0, b1) == (v, 0, v + 1, k, n_tokens) and 0 < k < n_tokens
+        assert s.policy_version == v and len(s.completion_token_ids) == n_tokens
+        prompt, toks = list(s.prompt_token_ids), list(s.completion_token_ids)
+        _, gap_old = _teacher_forced(model, old, prompt, toks)
+        _, gap_new = _teacher_forced(model, new, prompt, toks)
+        before = (gap_old[:k] > tie).nonzero()[:, 0].tolist()
+        after = (gap_new[k:] > tie).nonzero()[:, 0].add(k).tolist()
+        assert not before, f"round {r}, boundary {k}: tokens the old version would not choose: {before}"
+        assert not after, f"round {r}, boundary {k}: tokens the new version would not choose: {after}"
+        # The versions really differ: the new one would not have chosen most of the old one's tokens.
+        assert (gap_new[:k] > tie).float().mean() > 0.5 or k < 10
+    model.load_state_dict(weights[INFLIGHT_REPEATS % 2], strict=False)  # what the replica now serves
 
 
 def test_sampled_tokens_carry_the_logprobs_of_the_version_their_span_names(server, hf):
@@ -327,38 +337,39 @@ def test_sampled_tokens_carry_the_logprobs_of_the_version_their_span_names(serve
     stub, _, _ = server
     tok, model = hf
     learner = server_learner["l"]
-    v2 = {n: p.detach().clone() for n, p in model.named_parameters()}  # loaded by the test above
-    v3 = _perturbed(model, seed=8)
+    cur = {n: p.detach().clone() for n, p in model.named_parameters()}  # what the replica serves
+    nxt = _perturbed(model, seed=8)
+    v = _version(stub)
     req = g.GenerateRequest(
         request_id="sampled-straddle",
         prompts=[_prompt(0, PROMPTS[1])],
         sampling=g.SamplingParams(n=4, max_tokens=300, ignore_eos=True, seed=11),
     )
-    samples = _swap_mid_generation(stub, learner, 3, v3, req)
+    samples = _swap_mid_generation(stub, learner, v + 1, nxt, req)
     assert sorted(s.sample_index for s in samples) == [0, 1, 2, 3]
     straddled = 0
     for s in samples:
         spans = [(sp.version, sp.start, sp.end) for sp in s.version_spans] or [(s.policy_version, 0, 300)]
-        assert spans[0][1] == 0 and spans[-1][2] == 300 and {v for v, *_ in spans} <= {2, 3}
+        assert spans[0][1] == 0 and spans[-1][2] == 300 and {x for x, *_ in spans} <= {v, v + 1}
         assert all(a[2] == b[1] and a[0] < b[0] for a, b in zip(spans, spans[1:], strict=False))
         straddled += len(spans) > 1
         prompt, toks = list(s.prompt_token_ids), list(s.completion_token_ids)
         got = torch.tensor(list(s.logprobs))
         by_version = {
-            2: _teacher_forced(model, v2, prompt, toks)[0],
-            3: _teacher_forced(model, v3, prompt, toks)[0],
+            v: _teacher_forced(model, cur, prompt, toks)[0],
+            v + 1: _teacher_forced(model, nxt, prompt, toks)[0],
         }
-        for v, a, b in spans:
+        for x, a, b in spans:
             # Most tokens agree to ~1e-6; fp32 kernels drift apart with position (these perturbed
             # models have logits in the hundreds), to ~1e-2 late in a sample. A token labelled
             # with the wrong version is off by the distance between the versions: whole nats.
-            own = (got[a:b] - by_version[v][a:b]).abs()
-            other = (got[a:b] - by_version[5 - v][a:b]).abs()
-            where = f"sample {s.sample_index}, version {v}, tokens [{a}, {b})"
+            own = (got[a:b] - by_version[x][a:b]).abs()
+            other = (got[a:b] - by_version[2 * v + 1 - x][a:b]).abs()
+            where = f"sample {s.sample_index}, version {x}, tokens [{a}, {b})"
             assert own.median() < 1e-4 and own.max() < 0.05, f"{where}: {sorted(own.tolist())[-5:]}"
             assert other.mean() > 0.1, f"{where}: the other version gives the same log-probs"
     assert straddled >= 1, "the swap landed outside every sample"
-    model.load_state_dict(v3, strict=False)
+    model.load_state_dict(nxt, strict=False)
 
 
 def test_mismatched_plan_is_rejected_and_weights_stay(server, hf):
@@ -366,63 +377,31 @@ def test_mismatched_plan_is_rejected_and_weights_stay(server, hf):
     tok, model = hf
     learner = server_learner["l"]
     before = _greedy(stub, 12)
+    v = _version(stub)
     bad = _perturbed(model, seed=3)
     name = "model.layers.0.mlp.up_proj.weight"
     bad[name] = bad[name][:-1].contiguous()  # wrong shape
     with pytest.raises(grpc.RpcError) as e:
-        learner.push(4, bad)
+        learner.push(v + 1, bad)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert name in e.value.details() and "does not match the model" in e.value.details()
     unknown = dict(_perturbed(model, seed=3), **{"model.extra.weight": bad["model.norm.weight"]})
     with pytest.raises(grpc.RpcError) as e:
-        learner.push(4, unknown)
+        learner.push(v + 1, unknown)
     assert (
         e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         and "model.extra.weight: not a tensor" in e.value.details()
     )
     stale = _perturbed(model, seed=4)
     with pytest.raises(grpc.RpcError) as e:
-        learner.push(3, stale)
+        learner.push(v, stale)
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     st = stub.GetStatus(g.GetStatusRequest(), timeout=5)
-    assert st.policy_version == 3 and st.ready
+    assert st.policy_version == v and st.ready
     after = _greedy(stub, 12)
     assert {k: list(v.completion_token_ids) for k, v in after.items()} == {
         k: list(v.completion_token_ids) for k, v in before.items()
     }
-
-
-def test_load_weights_over_grpc(server, hf):
-    import torch
-
-    stub, _, _ = server
-    tok, model = hf
-    new = _perturbed(model, seed=5)
-
-    def stream():
-        first = True
-        for name, t in new.items():
-            data = t.numpy().tobytes()
-            for off in range(0, len(data), 100_000):  # chunked: tensors larger than a message
-                yield g.LoadWeightsRequest(
-                    version=6 if first else 0,
-                    num_tensors=len(new) if first else 0,
-                    offset=off,
-                    tensor=common_pb2.Tensor(
-                        name=name,
-                        data=data[off : off + 100_000],
-                        dtype=common_pb2.DTYPE_FLOAT32,
-                        shape=t.shape,
-                    ),
-                )
-                first = False
-
-    resp = stub.LoadWeights(stream(), timeout=120)
-    assert resp.version == 6 and resp.num_tensors == len(new)
-    model.load_state_dict(new, strict=False)
-    for s in _greedy(stub, 16).values():
-        assert list(s.completion_token_ids) == _hf_greedy(model, list(s.prompt_token_ids), 16)
-    assert torch.isfinite(torch.tensor(resp.swap_seconds)) and not math.isnan(resp.swap_seconds)
 
 
 def _load_stream(version: int, tensors: dict):
@@ -441,23 +420,39 @@ def _load_stream(version: int, tensors: dict):
             first = False
 
 
+def test_load_weights_over_grpc(server, hf):
+    import torch
+
+    stub, _, _ = server
+    tok, model = hf
+    new = _perturbed(model, seed=5)
+    v = _version(stub) + 3  # versions may skip
+    resp = stub.LoadWeights(_load_stream(v, new), timeout=120)
+    assert resp.version == v and resp.num_tensors == len(new)
+    model.load_state_dict(new, strict=False)
+    for s in _greedy(stub, 16).values():
+        assert list(s.completion_token_ids) == _hf_greedy(model, list(s.prompt_token_ids), 16)
+    assert torch.isfinite(torch.tensor(resp.swap_seconds)) and not math.isnan(resp.swap_seconds)
+
+
 def test_non_finite_weights_are_refused_and_nothing_changes(server, hf):
     import torch
 
     stub, _, _ = server
     tok, model = hf
     before = _greedy(stub, 12)
+    v = _version(stub)
     bad = _perturbed(model, seed=9)
     bad["model.norm.weight"] = torch.full_like(bad["model.norm.weight"], float("nan"))
     with pytest.raises(grpc.RpcError) as e:
-        stub.LoadWeights(_load_stream(7, bad), timeout=120)
+        stub.LoadWeights(_load_stream(v + 1, bad), timeout=120)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "model.norm.weight: holds NaN or infinite values" in e.value.details()
     st = stub.GetStatus(g.GetStatusRequest(), timeout=5)
-    assert st.policy_version == 6 and st.ready
+    assert st.policy_version == v and st.ready
     after = _greedy(stub, 12)
-    assert {k: list(v.completion_token_ids) for k, v in after.items()} == {
-        k: list(v.completion_token_ids) for k, v in before.items()
+    assert {k: list(x.completion_token_ids) for k, x in after.items()} == {
+        k: list(x.completion_token_ids) for k, x in before.items()
     }
 
 
@@ -590,19 +585,20 @@ def test_non_finite_broadcast_leaves_the_replica_unready_until_a_complete_load(s
     stub, _, _ = server
     tok, model = hf
     learner = server_learner["l"]
+    v = _version(stub)
     bad = _perturbed(model, seed=10)
     bad["model.norm.weight"] = torch.full_like(bad["model.norm.weight"], float("inf"))
     with pytest.raises(grpc.RpcError) as e:
-        learner.push(8, bad)
+        learner.push(v + 1, bad)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "NaN or infinite" in e.value.details()
     st = stub.GetStatus(g.GetStatusRequest(), timeout=5)
-    assert not st.ready and st.policy_version == 6
+    assert not st.ready and st.policy_version == v
     with pytest.raises(grpc.RpcError) as e:
         _greedy(stub, 4)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     good = _perturbed(model, seed=11)
-    resp, _ = learner.push(9, good)  # the group still works: the bad push was drained
-    assert resp.version == 9 and stub.GetStatus(g.GetStatusRequest(), timeout=5).ready
+    resp, _ = learner.push(v + 2, good)  # the group still works: the bad push was drained
+    assert resp.version == v + 2 and stub.GetStatus(g.GetStatusRequest(), timeout=5).ready
     model.load_state_dict(good, strict=False)
     for s in _greedy(stub, 16).values():
         assert list(s.completion_token_ids) == _hf_greedy(model, list(s.prompt_token_ids), 16)

@@ -112,6 +112,46 @@ def _deep_copy(d: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in d.items()}
 
 
+MAX_CONFIG_NODES = 100_000
+"""Most values (keys, scalars, lists, mappings) a config may hold once YAML aliases are expanded; a
+few lines of nested aliases expand to billions ("billion laughs")."""
+
+
+def parse_yaml(text: str, source: str = "config") -> dict[str, Any]:
+    r"""A YAML mapping from ``text``; bad YAML, a non-mapping or an alias bomb is a ConfigError.
+
+    >>> parse_yaml("a: {b: 1}")
+    {'a': {'b': 1}}
+    >>> bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    ...     f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n" for p, c in zip("abcde", "bcdef"))
+    >>> try:
+    ...     parse_yaml(bomb)
+    ... except ValueError as e:
+    ...     print(e)
+    config: more than 100000 values once YAML aliases are expanded
+    """
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: top level must be a mapping of sections, got {type(data).__name__}")
+    stack, seen = [data], 0
+    while stack:  # count as if aliases were copies: what validation and copying would walk
+        x = stack.pop()
+        seen += 1
+        if seen > MAX_CONFIG_NODES:
+            raise ConfigError(f"{source}: more than {MAX_CONFIG_NODES} values once YAML aliases are expanded")
+        if isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return data
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping; a missing file, bad YAML or a non-mapping is a ConfigError."""
     p = Path(path)
@@ -119,15 +159,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         text = p.read_text()
     except OSError as e:
         raise ConfigError(f"{p}: cannot read config: {e.strerror or e}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML: {e}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: top level must be a mapping of sections, got {type(data).__name__}")
-    return data
+    return parse_yaml(text, str(p))
 
 
 def build(model: type[M], data: Mapping[str, Any], overrides: Iterable[str] = (), source: str = "") -> M:

@@ -45,6 +45,12 @@ class NotFound(ServiceError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class AlreadyExists(ServiceError):
+    """What the request would create exists already (a run folder)."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class FailedPrecondition(ServiceError):
     """The request is well-formed but the service's state does not allow it (version, step)."""
 
@@ -61,6 +67,12 @@ class DataLoss(ServiceError):
     """Data arrived corrupted (e.g. weight bytes whose checksum does not match)."""
 
     code = grpc.StatusCode.DATA_LOSS
+
+
+class DeadlineExceeded(ServiceError):
+    """The caller's deadline passed before the work started (so none of it was done)."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 class ResourceExhausted(ServiceError):

@@ -43,6 +43,7 @@ SERVICES: dict[str, dict[str, tuple[str, type, str]]] = {
         "--dtype": ("dtype", str, "float32 or bfloat16"),
         "--lr": ("optim.lr", float, "peak learning rate"),
         "--loss": ("loss.kind", str, "grpo, drgrpo, dapo, sft"),
+        "--checkpoint-dir": ("checkpoint_dir", str, "folder that checkpoint and export paths must lie in"),
     },
     "reward": {
         "--workers": ("workers", int, "scoring processes (default 2)"),

@@ -233,6 +233,14 @@ class CoordinatorServeConfig(StrictModel):
 
     serve: ServeConfig = Field(default_factory=ServeConfig)
     """Where the coordinator listens."""
+    root: str = "."
+    """Folder every path of an experiment sent by StartExperiment must lie in (runs_dir, data files,
+    model folder, resume_from); relative paths resolve under it. Default: the working folder."""
+    max_running: int = Field(1, ge=1, le=256)
+    """Experiments running at once; StartExperiment beyond it is RESOURCE_EXHAUSTED (an embedded
+    experiment starts a learner, generators and reward processes of its own)."""
+    max_config_kib: int = Field(1024, ge=1, le=65536)
+    """Largest config_yaml accepted, in KiB."""
 
 
 def resolve_paths(exp: ExperimentConfig, base: Path | None) -> ExperimentConfig:

@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from relayrl.common.rpc import AlreadyExists, FailedPrecondition, ResourceExhausted
 from relayrl.coordinator import metrics
 from relayrl.coordinator.clients import NoReplicaLeft
 from relayrl.coordinator.config import ExperimentConfig
+from relayrl.coordinator.runfolder import new_run_dir
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +59,13 @@ class Handle:
 
 
 class Registry:
-    def __init__(self, services_factory: Callable | None = None) -> None:
+    def __init__(self, services_factory: Callable | None = None, max_running: int | None = None) -> None:
         """``services_factory(cfg, run_dir)`` builds what starts and stops the services of a run
         without addresses (default ``run.Services``: local processes; ``relayrl launch ray``: Ray
-        actors)."""
+        actors). ``max_running``: experiments running at once (None: no limit)."""
         self.experiments: dict[str, Handle] = {}
         self.services_factory = services_factory
+        self.max_running = max_running
 
     def get(self, run_id: str) -> Handle | None:
         return self.experiments.get(run_id)
@@ -72,20 +75,34 @@ class Registry:
         cfg: ExperimentConfig,
         resume_dir: Path | None = None,
         on_record: Callable[[dict], None] | None = None,
+        run_id: str = "",
     ) -> Handle:
-        """Create the run folder (or reuse ``resume_dir``) and start driving the experiment."""
-        from relayrl.coordinator.run import new_run_dir
+        """Create the run folder (``run_id`` names it; default ``<name>-<timestamp>``), or reuse
+        ``resume_dir``, and start driving the experiment. Raises ``ResourceExhausted`` when
+        ``max_running`` experiments run already, ``AlreadyExists`` for a taken ``run_id``."""
 
-        run_dir = resume_dir if resume_dir is not None else new_run_dir(cfg)
+        running = sum(not h.finished for h in self.experiments.values())
+        if self.max_running is not None and running >= self.max_running:
+            raise ResourceExhausted(f"{running} experiments running (max_running {self.max_running})")
+        if resume_dir is not None:
+            if resume_dir.name in self.experiments and not self.experiments[resume_dir.name].finished:
+                raise FailedPrecondition(f"experiment {resume_dir.name} is running; stop it before resuming")
+            run_dir = resume_dir
+        else:
+            try:
+                run_dir = new_run_dir(cfg, run_id)
+            except FileExistsError:
+                raise AlreadyExists(
+                    f"run folder {Path(cfg.runs_dir) / run_id} exists; continue it with resume_from"
+                ) from None
         handle = Handle(run_id=run_dir.name, cfg=cfg, run_dir=run_dir)
-        if handle.run_id in self.experiments and not self.experiments[handle.run_id].finished:
-            raise ValueError(f"experiment {handle.run_id} is already running")
         self.experiments[handle.run_id] = handle
         handle.task = asyncio.ensure_future(self._execute(handle, resume_dir is not None, on_record))
         return handle
 
     async def _execute(self, h: Handle, resume: bool, on_record) -> None:
-        from relayrl.coordinator.run import Services, drive, plot, prepare
+        from relayrl.coordinator.assets import prepare
+        from relayrl.coordinator.run import Services, drive, plot
 
         services = (self.services_factory or Services)(h.cfg, h.run_dir)
 
@@ -113,7 +130,7 @@ class Registry:
             resumable = (h.run_dir / "checkpoints" / "coordinator.json").exists()
             h.message = why + (f"; resume with: {services.resume_command} {h.run_dir}" if resumable else "")
             h.state = FAILED
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # one experiment never ends the coordinator
             logger.exception("experiment %s failed", h.run_id)
             h.message = f"{type(e).__name__}: {e}"
             h.state = FAILED

@@ -18,53 +18,17 @@ from pathlib import Path
 
 from relayrl.common import config as cfg_mod
 from relayrl.common.security import client_channel
+from relayrl.coordinator.assets import missing_inputs
 from relayrl.coordinator.clients import GeneratorPool, RewardPool
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.launcher import ServiceProcess
 from relayrl.coordinator.loop import Experiment, Position, learner_checkpoint_path
 from relayrl.coordinator.registry import FAILED, Handle, Registry
+from relayrl.coordinator.runfolder import load_records
 from relayrl.learner.v1 import learner_pb2 as lp
 from relayrl.learner.v1 import learner_pb2_grpc as lg
 
 logger = logging.getLogger(__name__)
-
-
-def prepare(cfg: ExperimentConfig) -> None:
-    """Build the tiny model and the task data when the config asks for them and they are missing.
-    With deployed services the model is theirs to load, on their own hosts: not looked for here."""
-    model = Path(cfg.model.path)
-    if cfg.services.embedded and not (model / "config.json").exists():
-        if cfg.model.tiny is None:
-            raise SystemExit(f"model folder {model} does not exist (set model.tiny to build a tiny one)")
-        from relayrl.common.modelkit.sft import warm_start
-        from relayrl.common.modelkit.tiny import update_card, write_tiny_model
-
-        t = cfg.model.tiny
-        print(f"building tiny model in {model} ...", flush=True)
-        write_tiny_model(model, seed=t.seed)
-        if t.task and t.sft_steps:
-            res = warm_start(model, t.task, t.sft_steps, seed=t.seed)
-            update_card(model, sft_task=t.task, sft_steps=t.sft_steps, sft_heldout_exact=res.heldout_exact)
-            print(f"warm-started on {t.task}: held-out greedy exact {res.heldout_exact:.2f}", flush=True)
-    spec = cfg.data.generate
-    for path, split, n in (
-        (cfg.data.train, "train", spec and spec.n_train),
-        (cfg.data.test, "test", spec and spec.n_test),
-    ):
-        if path and not Path(path).exists():
-            if spec is None:
-                raise SystemExit(f"data file {path} does not exist (set data.generate to build it)")
-            from relayrl.common.data.dataset import write_rows
-            from relayrl.common.data.tasks import generate
-
-            write_rows(generate(spec.task, n, seed=spec.seed, split=split), path)
-
-
-def new_run_dir(cfg: ExperimentConfig) -> Path:
-    run = Path(cfg.runs_dir) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    (run / "checkpoints").mkdir(parents=True, exist_ok=False)
-    (run / "config.yaml").write_text(cfg_mod.dump_yaml(cfg))
-    return run
 
 
 def learner_section(cfg: ExperimentConfig, run_dir: Path):
@@ -200,13 +164,6 @@ def plot(run_dir: Path, records: list[dict]) -> Path | None:
     return out
 
 
-def _load_records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return (
-        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    )
-
-
 async def drive(
     cfg: ExperimentConfig,
     run_dir: Path,
@@ -248,7 +205,7 @@ async def drive(
         )
         exp.pos = Position(**json.loads(loaded.client_state_json))
         exp.version = loaded.policy_version
-        exp.records = _load_records(run_dir)
+        exp.records = load_records(run_dir)
         if exp.version:
             await exp.push()  # fresh generators hold the initial weights
         print(f"resumed {run_dir.name} at step {exp.pos.step} (policy version {exp.version})", flush=True)
@@ -307,6 +264,8 @@ def run(
 ) -> Path:
     """``relayrl run``: returns the run folder; exits non-zero with the reason if the run failed.
     ``services_factory``: see ``Registry`` (``relayrl launch ray`` passes its own, and its ``prog``)."""
+    if resume_dir is None and (problems := missing_inputs(cfg)):
+        raise SystemExit(f"{prog}: " + "; ".join(problems))
     show, close = _progress(cfg.schedule.steps, 0)
     try:
         h = asyncio.run(_run_and_serve(cfg, resume_dir, show, services_factory))

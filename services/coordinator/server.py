@@ -9,7 +9,7 @@ from relayrl.common.grpc_server import (
     start,
     start_metrics_server,
 )
-from relayrl.common.serving import ServeConfig
+from relayrl.coordinator.config import CoordinatorServeConfig
 from relayrl.coordinator.registry import Registry
 from relayrl.coordinator.servicer import CoordinatorServicer
 from relayrl.coordinator.v1 import coordinator_pb2
@@ -18,16 +18,17 @@ DESCRIPTOR = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"]
 SERVICE = DESCRIPTOR.full_name
 
 
-def build(registry: Registry, serve: ServeConfig | None = None) -> ServerHandle:
+def build(registry: Registry, config: CoordinatorServeConfig | None = None) -> ServerHandle:
     """The server around ``registry`` (bound, not started); default: loopback, a free port."""
-    servicer = CoordinatorServicer(registry)
-    return create_server(servicer, DESCRIPTOR, serve)
+    config = config or CoordinatorServeConfig()
+    servicer = CoordinatorServicer(registry, config)
+    return create_server(servicer, DESCRIPTOR, config.serve)
 
 
-async def run(config, port_file: str | None = None) -> None:
+async def run(config: CoordinatorServeConfig, port_file: str | None = None) -> None:
     """Serve an empty registry until SIGTERM; experiments arrive by StartExperiment."""
-    registry = Registry()
-    handle = build(registry, config.serve)
+    registry = Registry(max_running=config.max_running)
+    handle = build(registry, config)
     await start(handle, ready=True)
     start_metrics_server(config.serve.metrics_port, config.serve.host)
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-import yaml
+import asyncio
+import os
+import re
+from pathlib import Path
+
 from google.protobuf.timestamp_pb2 import Timestamp
 from relayrl.common import config as cfg_mod
-from relayrl.common.rpc import InvalidRequest, NotFound, check_no_unknown_fields, map_errors
+from relayrl.common.rpc import InvalidRequest, NotFound, bounded, map_errors
 from relayrl.coordinator import registry as reg
-from relayrl.coordinator.config import ExperimentConfig, resolve_paths
+from relayrl.coordinator.assets import missing_inputs
+from relayrl.coordinator.config import CoordinatorServeConfig, ExperimentConfig, resolve_paths
 from relayrl.coordinator.v1 import coordinator_pb2 as cp
 from relayrl.coordinator.v1 import coordinator_pb2_grpc as cpg
 
@@ -53,40 +58,77 @@ def record_proto(run_id: str, rec: dict) -> cp.MetricsRecord:
     )
 
 
+MAX_OVERRIDES = 256
+MAX_OVERRIDE_CHARS = 4096
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
 class CoordinatorServicer(cpg.CoordinatorServiceServicer):
-    def __init__(self, registry: reg.Registry):
+    def __init__(self, registry: reg.Registry, config: CoordinatorServeConfig | None = None):
         self.registry = registry
+        self.config = config or CoordinatorServeConfig()
+        self.root = Path(os.path.realpath(self.config.root))
 
     def _handle(self, run_id: str) -> reg.Handle:
         h = self.registry.get(run_id)
         if h is None:
-            raise NotFound(f"no experiment {run_id!r} on this coordinator")
+            raise NotFound(f"no experiment {bounded(repr(run_id), 140)} on this coordinator")
         return h
+
+    def _inside(self, what: str, path: str) -> Path:
+        """``path`` (absolute by now) if it lies in the coordinator's root, else INVALID_ARGUMENT."""
+        if not Path(os.path.realpath(path)).is_relative_to(self.root):
+            raise InvalidRequest(
+                f"{what} {bounded(path, 200)!r} is outside the coordinator's root {self.root}"
+            )
+        return Path(path)
+
+    def _experiment(self, request) -> ExperimentConfig:
+        """Parse, validate and resolve the request's experiment: CPU work, run in a worker thread."""
+        data = cfg_mod.parse_yaml(request.config_yaml, "config_yaml")
+        cfg = resolve_paths(cfg_mod.build(ExperimentConfig, data, list(request.overrides)), base=self.root)
+        self._inside("runs_dir", cfg.runs_dir)
+        for what, path in (
+            ("data.train", cfg.data.train),
+            ("data.test", cfg.data.test),
+            ("model.path", cfg.model.path),
+        ):
+            if path:
+                self._inside(what, path)
+        return cfg
 
     @map_errors
     async def StartExperiment(self, request, context):
-        check_no_unknown_fields(request)
+        # Everything is checked before the answer: an OK means the experiment is under way.
+        if len(request.config_yaml) > self.config.max_config_kib * 1024:
+            raise InvalidRequest(
+                f"config_yaml is larger than {self.config.max_config_kib} KiB (max_config_kib)"
+            )
+        if len(request.overrides) > MAX_OVERRIDES or any(
+            len(o) > MAX_OVERRIDE_CHARS for o in request.overrides
+        ):
+            raise InvalidRequest(
+                f"overrides: at most {MAX_OVERRIDES}, each at most {MAX_OVERRIDE_CHARS} characters"
+            )
+        if request.run_id:
+            if not _RUN_ID.fullmatch(request.run_id):
+                raise InvalidRequest(
+                    "run_id: 1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+                )
+            if (known := self.registry.get(request.run_id)) is not None:
+                return cp.StartExperimentResponse(experiment=status_proto(known))  # idempotent by run_id
         try:
-            data = yaml.safe_load(request.config_yaml) or {}
-        except yaml.YAMLError as e:
-            raise InvalidRequest(f"config_yaml is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise InvalidRequest("config_yaml must be a mapping of sections")
-        try:
-            cfg = resolve_paths(cfg_mod.build(ExperimentConfig, data, list(request.overrides)), base=None)
+            cfg = await asyncio.to_thread(self._experiment, request)
         except cfg_mod.ConfigError as e:
             raise InvalidRequest(str(e)) from None
         resume = None
         if request.resume_from:
-            from pathlib import Path
-
-            resume = Path(request.resume_from)
-            if not (resume / "checkpoints" / "coordinator.json").exists():
+            resume = self._inside("resume_from", str(self.root / request.resume_from))
+            if not (resume / "checkpoints" / "coordinator.json").is_file():
                 raise InvalidRequest(f"{resume} has no checkpoint to resume from")
-        try:
-            h = self.registry.start(cfg, resume)
-        except ValueError as e:
-            raise InvalidRequest(str(e)) from None
+        elif problems := missing_inputs(cfg):
+            raise InvalidRequest("; ".join(problems))
+        h = self.registry.start(cfg, resume, run_id=request.run_id)
         return cp.StartExperimentResponse(experiment=status_proto(h))
 
     @map_errors

@@ -30,6 +30,21 @@ class Control:
         )
         dist.broadcast(buf, src=0, group=self.group)
 
+    def gather_text(self, text: str, limit: int = 512) -> list[str]:
+        """Every rank's ``text`` (cut to ``limit`` UTF-8 bytes), in rank order, on every rank."""
+        data = text.encode()[:limit]
+        buf = torch.zeros(limit + 2, dtype=torch.uint8)
+        buf[:2] = torch.tensor([len(data) >> 8, len(data) & 0xFF], dtype=torch.uint8)
+        if data:
+            buf[2 : 2 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.empty_like(buf) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(out, buf, group=self.group)
+        texts = []
+        for b in out:
+            n = (int(b[0]) << 8) | int(b[1])
+            texts.append(b[2 : 2 + n].numpy().tobytes().decode(errors="replace"))
+        return texts
+
     def recv(self) -> tuple[dict, bytes]:
         sizes = torch.empty(2, dtype=torch.int64)
         dist.broadcast(sizes, src=0, group=self.group)

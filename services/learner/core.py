@@ -14,12 +14,39 @@ import os
 from dataclasses import dataclass
 
 from relayrl.common import weightsync as ws
-from relayrl.common.rpc import InvalidRequest, Unavailable
+from relayrl.common.rpc import InvalidRequest, NotFound, Unavailable
 from relayrl.learner.control import Control
 from relayrl.learner.trainer import Sample, Trainer
 from relayrl.learner.v1 import learner_pb2
 
 logger = logging.getLogger(__name__)
+
+MAX_ABS_ADVANTAGE = 1e6
+"""Largest advantage magnitude accepted (normalised advantages are a few units; anything near
+float limits makes the loss and the gradient infinite)."""
+TAG_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+MAX_TAG_CHARS = 128
+
+
+def check_tag(tag: str) -> str:
+    """A checkpoint tag is one plain folder name: letters, digits, ``.``, ``_``, ``-``; it starts
+    with a letter or digit (so never ``..``), 128 characters at most.
+
+    >>> check_tag("step20")
+    'step20'
+    >>> check_tag("../x")
+    Traceback (most recent call last):
+    ...
+    relayrl.common.rpc.InvalidRequest: tag '../x': use 1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit
+    """
+    if not (
+        0 < len(tag) <= MAX_TAG_CHARS and tag[0].isascii() and tag[0].isalnum() and set(tag) <= TAG_CHARS
+    ):
+        shown = tag if len(tag) <= 40 else tag[:40] + "..."
+        raise InvalidRequest(
+            f"tag {shown!r}: use 1 to {MAX_TAG_CHARS} letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    return tag
 
 
 def decode_samples(
@@ -44,10 +71,14 @@ def decode_samples(
             )
         if s.loss_mask and len(s.loss_mask) != n:
             raise InvalidRequest(f"{where}: {len(s.loss_mask)} loss_mask values for {n} completion tokens")
-        if not math.isfinite(s.advantage):
-            raise InvalidRequest(f"{where}: advantage is {s.advantage}")
-        if not all(math.isfinite(x) for x in s.generator_logprobs):
-            raise InvalidRequest(f"{where}: generator_logprobs contain NaN or inf")
+        if not all(0.0 <= x <= 1.0 for x in s.loss_mask):  # also refuses NaN
+            raise InvalidRequest(f"{where}: loss_mask values must be in [0, 1]")
+        if not abs(s.advantage) <= MAX_ABS_ADVANTAGE:  # also refuses NaN
+            raise InvalidRequest(
+                f"{where}: advantage is {s.advantage}; |advantage| must be <= {MAX_ABS_ADVANTAGE:g}"
+            )
+        if not all(-math.inf < x <= 0.0 for x in s.generator_logprobs):
+            raise InvalidRequest(f"{where}: generator_logprobs must be finite log-probabilities (<= 0)")
         ids = list(s.prompt_token_ids) + list(s.completion_token_ids)
         if min(ids) < 0 or max(ids) >= vocab_size:
             raise InvalidRequest(f"{where}: token ids must be in [0, {vocab_size})")
@@ -83,7 +114,13 @@ class LearnerCore:
         samples = decode_samples(req, self.trainer.vocab_size, self.trainer.max_len, self.sft)
         max_tokens = max_completion_tokens or max(len(s.completion) for s in samples)
         self.control.send({"op": "train", "max_tokens": max_tokens}, req.SerializeToString())
-        return self.trainer.train_step(samples, max_tokens)
+        m = self.trainer.train_step(samples, max_tokens)
+        if not m["applied"]:  # every rank skipped it alike: they are still in step
+            raise InvalidRequest(
+                f"the batch gives a gradient norm of {m['grad_norm']} (loss {m['loss']}): the step was "
+                "not applied; weights, optimizer and step are unchanged"
+            )
+        return m
 
     def push(
         self, buckets_bytes: int, dtype: str, group: WeightGroup | None, transport_only: bool = False
@@ -111,18 +148,35 @@ class LearnerCore:
             sums.append(0)
         return sum(b.nbytes for b in buckets), sums
 
+    def _check(self, op: str, path: str, tag: str) -> None:
+        """Every rank says whether it can run ``op``; any problem refuses it on all of them
+        before one starts (NOT_FOUND for a checkpoint to load, INVALID_ARGUMENT otherwise)."""
+        self.control.send({"op": "check", "check": op, "path": path, "tag": tag})
+        problems = [p for p in self.control.gather_text(self.trainer.problem(op, path, tag)) if p]
+        if problems:
+            raise (NotFound if op == "load" else InvalidRequest)("; ".join(problems))
+
     def save(self, path: str, tag: str, client_state_json: str) -> None:
+        self._check("save", path, tag)
         self.control.send({"op": "save", "path": path, "tag": tag, "state": client_state_json})
         self.trainer.save(path, tag, client_state_json)
 
     def load(self, path: str, tag: str) -> dict:
-        latest = os.path.join(path, "latest")
-        if not os.path.isdir(os.path.join(path, tag)) if tag else not os.path.exists(latest):
-            raise FileNotFoundError(f"no checkpoint at {path} (tag {tag or 'latest'})")
+        if not tag:  # the latest: DeepSpeed's "latest" file names it
+            try:
+                tag = open(os.path.join(path, "latest")).read(MAX_TAG_CHARS + 1).strip()
+            except OSError:
+                raise NotFound(f"no checkpoint under {path} (no 'latest' file)") from None
+            try:
+                check_tag(tag)
+            except InvalidRequest as e:
+                raise NotFound(f"{path}/latest does not name a checkpoint: {e}") from None
+        self._check("load", path, tag)
         self.control.send({"op": "load", "path": path, "tag": tag})
-        return self.trainer.load(path, tag or None)
+        return {**self.trainer.load(path, tag), "tag": tag}
 
     def export(self, path: str, bucket_bytes: int) -> None:
+        self._check("export", path, "")
         self.control.send({"op": "export", "path": path, "bucket_bytes": bucket_bytes})
         self.trainer.export(path, bucket_bytes)
 
@@ -177,10 +231,12 @@ class LearnerCore:
                 self.trainer.train_step(samples, cmd["max_tokens"])
             elif op == "push":
                 self._push(cmd["bucket_bytes"], cmd["dtype"], None)
+            elif op == "check":
+                self.control.gather_text(self.trainer.problem(cmd["check"], cmd["path"], cmd["tag"]))
             elif op == "save":
                 self.trainer.save(cmd["path"], cmd["tag"], cmd["state"])
             elif op == "load":
-                self.trainer.load(cmd["path"], cmd["tag"] or None)
+                self.trainer.load(cmd["path"], cmd["tag"])
             elif op == "export":
                 self.trainer.export(cmd["path"], cmd["bucket_bytes"])
             else:

@@ -1,33 +1,47 @@
 """LearnerService RPCs on rank 0: translate, serialise collective work, map errors.
 
 Collective operations (train, push, save, load, export) run one at a time, in a worker thread,
-so the event loop keeps answering GetStatus and health checks during a long step.
+so the event loop keeps answering GetStatus and health checks during a long step. Once started,
+an operation runs to its end even if its caller goes away (a deadline passes, a connection
+drops): the other ranks are already in it. The lock is held until it ends, so a retry never
+overlaps it, and a TrainStep's response is kept by step, so the retry gets the response of the
+step it names. A TrainStep whose deadline passed before it could start is not taken.
+
+Paths a caller sends name folders inside ``checkpoint_dir``: relative ones resolve under it,
+absolute ones must lie in it; anything else is INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
 from relayrl.common.rpc import (
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidRequest,
     ServiceError,
     Unavailable,
-    check_no_unknown_fields,
+    bounded,
     map_errors,
 )
 from relayrl.learner import metrics
-from relayrl.learner.core import LearnerCore
+from relayrl.learner.core import LearnerCore, check_tag
 from relayrl.learner.sync import WeightSync
 from relayrl.learner.v1 import learner_pb2, learner_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 _METRIC_FIELDS = ("loss", "kl", "entropy", "clip_fraction", "grad_norm", "lr", "step_seconds")
+KEPT_RESPONSES = 8
+"""TrainStep responses kept for retries (the last steps taken)."""
+MAX_PATH_CHARS = 1024
 
 
 class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
@@ -42,12 +56,13 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         checkpoint_dir: str | Path,
     ):
         self.core = core
-        self.checkpoint_dir = Path(checkpoint_dir).resolve()
+        self.checkpoint_dir = Path(os.path.realpath(checkpoint_dir))
         self.sync = sync
         self.bucket_bytes = bucket_bytes
         self.max_tokens = max_tokens
         self.lock = asyncio.Lock()
-        self.last: learner_pb2.TrainStepResponse | None = None
+        # step -> (request fingerprint, response) of the last steps taken
+        self.responses: OrderedDict[int, tuple[bytes, learner_pb2.TrainStepResponse]] = OrderedDict()
         self.broken: str | None = None
         self.on_broken = on_broken
 
@@ -56,16 +71,37 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         return self.core.trainer
 
     def resolve(self, path: str) -> str:
-        """A request's path on this learner's filesystem: empty -> ``checkpoint_dir``, relative
-        -> under it (no ``..``: a caller names folders inside it, never outside), absolute as is."""
+        """A request's path on this learner's filesystem, inside ``checkpoint_dir``: empty -> the
+        folder itself, relative -> under it (no ``..``), absolute -> only if it lies in it (after
+        following symbolic links)."""
         if not path:
             return str(self.checkpoint_dir)
+        if len(path) > MAX_PATH_CHARS or "\0" in path:
+            raise InvalidRequest(f"path: at most {MAX_PATH_CHARS} characters, no NUL")
         p = PurePosixPath(path)
-        if p.is_absolute():
-            return path
         if ".." in p.parts:
-            raise InvalidRequest(f"path {path!r}: '..' is not allowed in a relative path")
-        return str(self.checkpoint_dir / p)
+            raise InvalidRequest(f"path {bounded(path, 200)!r}: '..' is not allowed")
+        full = Path(path) if p.is_absolute() else self.checkpoint_dir / p
+        real = Path(os.path.realpath(full))
+        if not real.is_relative_to(self.checkpoint_dir):
+            raise InvalidRequest(
+                f"path {bounded(path, 200)!r} is outside the learner's checkpoint_dir {self.checkpoint_dir}"
+            )
+        return str(full)
+
+    async def _exclusive(self, fn, *args, deadline: float | None = None):
+        """Run one collective op alone, to its end whatever happens to the caller (see module
+        doc); refused unstarted when ``deadline`` (monotonic) passed while it waited its turn."""
+
+        async def run():
+            async with self.lock:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise DeadlineExceeded(
+                        "the deadline passed before the operation could start; nothing was done"
+                    )
+                return await self._collective(fn, *args)
+
+        return await asyncio.shield(asyncio.ensure_future(run()))
 
     async def _collective(self, fn, *args):
         """Run one collective op; an unexpected failure leaves ranks out of step: stop serving."""
@@ -73,43 +109,56 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             raise Unavailable(f"learner stopped after an earlier failure: {self.broken}")
         try:
             return await asyncio.to_thread(fn, *args)
-        except (ServiceError, FileNotFoundError):  # refused before any collective, or ranks still in step
+        except ServiceError:  # refused before any collective, or ranks still in step
             raise
         except Exception as e:
-            self.broken = f"{type(e).__name__}: {e}"
+            self.broken = bounded(f"{type(e).__name__}: {e}", 300)
             if self.on_broken:
                 self.on_broken()
             raise
 
+    def _train(self, request: learner_pb2.TrainStepRequest, fingerprint: bytes):
+        """Rank 0's step (worker thread, lock held): a step already taken answers from memory."""
+        done = self.trainer.step
+        if request.step <= done:
+            kept = self.responses.get(request.step)
+            if kept is None:
+                raise FailedPrecondition(f"step {request.step} is not the next step ({done + 1})")
+            if kept[0] != fingerprint:
+                raise FailedPrecondition(f"step {request.step} was already taken with a different batch")
+            return kept[1]  # a retry: the same answer, no second step
+        if request.step != done + 1:
+            raise FailedPrecondition(f"step {request.step} is not the next step ({done + 1})")
+        m = self.core.train(request, self.max_tokens)
+        metrics.observe_step(m)
+        resp = learner_pb2.TrainStepResponse(
+            step=self.trainer.step,
+            policy_version=self.trainer.version,
+            metrics=learner_pb2.TrainMetrics(
+                **{k: m[k] for k in _METRIC_FIELDS},
+                tokens=m["tokens"],
+                samples=m["samples"],
+                extra={
+                    k: float(v)
+                    for k, v in m.items()
+                    if k not in (*_METRIC_FIELDS, "tokens", "samples") and isinstance(v, int | float)
+                },
+            ),
+        )
+        self.responses[request.step] = (fingerprint, resp)
+        while len(self.responses) > KEPT_RESPONSES:
+            self.responses.popitem(last=False)
+        return resp
+
     @map_errors
     async def TrainStep(self, request, context):
-        check_no_unknown_fields(request)
-        async with self.lock:
-            done = self.trainer.step
-            if self.last is not None and request.step == done:
-                return self.last  # a retry of the step just taken: same answer, no second step
-            if request.step != done + 1:
-                raise FailedPrecondition(f"step {request.step} is not the next step ({done + 1})")
-            m = await self._collective(self.core.train, request, self.max_tokens)
-            metrics.observe_step(m)
-            resp = learner_pb2.TrainStepResponse(
-                step=self.trainer.step,
-                policy_version=self.trainer.version,
-                metrics=learner_pb2.TrainMetrics(
-                    **{k: m[k] for k in _METRIC_FIELDS},
-                    tokens=m["tokens"],
-                    samples=m["samples"],
-                    extra={
-                        k: float(v) for k, v in m.items() if k not in (*_METRIC_FIELDS, "tokens", "samples")
-                    },
-                ),
-            )
-            self.last = resp
-            return resp
+        left = context.time_remaining()
+        deadline = time.monotonic() + left if left is not None else None
+        fingerprint = hashlib.sha256(request.SerializeToString(deterministic=True)).digest()
+        return await self._exclusive(self._train, request, fingerprint, deadline=deadline)
 
     @map_errors
     async def RegisterGenerator(self, request, context):
-        check_no_unknown_fields(request)
         if not request.address or not request.replica_id:
             raise InvalidRequest("address and replica_id are required")
         self.sync.register(request.replica_id, request.address)
@@ -124,73 +173,84 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
 
     @map_errors
     async def PushWeights(self, request, context):
-        check_no_unknown_fields(request)
-        async with self.lock:
-            only = request.transport_only
-            if not only and request.version != self.trainer.version:
-                raise FailedPrecondition(
-                    f"version {request.version} is not the learner's policy version {self.trainer.version}"
+        only = request.transport_only
+        bucket_bytes = request.bucket_bytes or self.bucket_bytes
+
+        async def push():
+            async with self.lock:
+                if not only and request.version != self.trainer.version:
+                    raise FailedPrecondition(
+                        f"version {request.version} is not the learner's policy version {self.trainer.version}"
+                    )
+                t0 = time.monotonic()
+                sent, replicas = await self.sync.push(
+                    request.version,
+                    bucket_bytes,
+                    lambda group: self._collective(
+                        self.core.push, bucket_bytes, self.sync.dtype, group, only
+                    ),
+                    transport_only=only,
                 )
-            t0 = time.monotonic()
-            bucket_bytes = request.bucket_bytes or self.bucket_bytes
-            sent, replicas = await self.sync.push(
-                request.version,
-                bucket_bytes,
-                lambda group: self._collective(self.core.push, bucket_bytes, self.sync.dtype, group, only),
-                transport_only=only,
-            )
-            secs = time.monotonic() - t0
-            if not only:
-                metrics.SYNC_SECONDS.observe(secs)
-            return learner_pb2.PushWeightsResponse(
-                version=request.version, seconds=secs, bytes=sent, replica_ids=replicas
-            )
+                return sent, replicas, time.monotonic() - t0
+
+        sent, replicas, secs = await asyncio.shield(asyncio.ensure_future(push()))
+        if not only:
+            metrics.SYNC_SECONDS.observe(secs)
+        return learner_pb2.PushWeightsResponse(
+            version=request.version, seconds=secs, bytes=sent, replica_ids=replicas
+        )
 
     @map_errors
     async def SaveCheckpoint(self, request, context):
-        check_no_unknown_fields(request)
         path = self.resolve(request.path)
-        async with self.lock:
-            t0 = time.monotonic()
-            tag = request.tag or f"step{self.trainer.step}"
-            await self._collective(self.core.save, path, tag, request.client_state_json)
-            return learner_pb2.SaveCheckpointResponse(
-                path=path,
-                tag=tag,
-                step=self.trainer.step,
-                policy_version=self.trainer.version,
-                seconds=time.monotonic() - t0,
-            )
+        tag = check_tag(request.tag) if request.tag else ""
+        t0 = time.monotonic()
+
+        def save():
+            name = tag or f"step{self.trainer.step}"
+            self.core.save(path, name, request.client_state_json)
+            return name, self.trainer.step, self.trainer.version
+
+        name, step, version = await self._exclusive(save)
+        return learner_pb2.SaveCheckpointResponse(
+            path=path, tag=name, step=step, policy_version=version, seconds=time.monotonic() - t0
+        )
 
     @map_errors
     async def LoadCheckpoint(self, request, context):
-        check_no_unknown_fields(request)
         path = self.resolve(request.path)
-        async with self.lock:
-            try:
-                meta = await self._collective(self.core.load, path, request.tag)
-            except FileNotFoundError as e:
-                raise FailedPrecondition(str(e)) from None
-            self.last = None
-            return learner_pb2.LoadCheckpointResponse(
-                step=meta["step"],
-                policy_version=meta["policy_version"],
-                client_state_json=meta["client_state_json"],
-                tag=request.tag,
-            )
+        tag = check_tag(request.tag) if request.tag else ""
+
+        def load():
+            meta = self.core.load(path, tag)
+            self.responses.clear()  # steps of another history
+            return meta
+
+        meta = await self._exclusive(load)
+        return learner_pb2.LoadCheckpointResponse(
+            step=meta["step"],
+            policy_version=meta["policy_version"],
+            client_state_json=meta["client_state_json"],
+            tag=meta["tag"],
+        )
 
     @map_errors
     async def ExportModel(self, request, context):
-        check_no_unknown_fields(request)
         if not request.path:
             raise InvalidRequest("path is required: the folder to export to")
         path = self.resolve(request.path)
-        async with self.lock:
-            t0 = time.monotonic()
-            await self._collective(self.core.export, path, self.bucket_bytes)
-            return learner_pb2.ExportModelResponse(
-                path=path, policy_version=self.trainer.version, seconds=time.monotonic() - t0
-            )
+        if Path(path) == self.checkpoint_dir:
+            raise InvalidRequest("path must name a folder inside checkpoint_dir, not checkpoint_dir itself")
+        t0 = time.monotonic()
+
+        def export():
+            self.core.export(path, self.bucket_bytes)
+            return self.trainer.version
+
+        version = await self._exclusive(export)
+        return learner_pb2.ExportModelResponse(
+            path=path, policy_version=version, seconds=time.monotonic() - t0
+        )
 
     @map_errors
     async def GetStatus(self, request, context):

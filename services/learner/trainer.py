@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 import shutil
 import time
@@ -202,17 +203,24 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         self.engine.step()
         dist.all_reduce(sums)
-        self.step += 1
-        self.version += 1
         grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        # ZeRO skips the update when the global gradient norm is NaN or infinite (its overflow
+        # check, agreed on by every rank): weights, optimizer and schedule stay as they were, and
+        # so do step and version. The caller learns it from "applied".
+        applied = getattr(self.engine, "_step_applied", True) and math.isfinite(grad_norm)
+        if applied:
+            self.step += 1
+            self.version += 1
         t = float(totals.tokens)
         return {
+            "applied": applied,
             "loss": float(sums[0]),
             "entropy": float(sums[1]) / t,
             "clip_fraction": float(sums[2]) / t,
             "kl": float(sums[3]) / t,
             "tis_weight_mean": float(sums[4]) / t,
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "grad_norm": grad_norm,
             "lr": float(lr),
             "tokens": int(total_tokens),
             "samples": len(samples),
@@ -273,6 +281,22 @@ class Trainer:
         tmp.rename(out)
 
     # -- checkpoints ---------------------------------------------------------------------
+    def problem(self, op: str, path: str, tag: str) -> str:
+        """Why this rank could not run ``op`` ("save", "load", "export") on ``path``/``tag``, or
+        "". Checked on every rank before any rank starts, because a rank that fails half-way
+        through a collective leaves the others waiting for it: a refusal must come first."""
+        if op == "save":
+            return writable_problem(Path(path) / tag)
+        if op == "export":
+            return writable_problem(Path(path)) if self.rank == 0 else ""  # only rank 0 writes
+        names = [os.path.join(path, tag)]
+        try:  # the files this rank reads (DeepSpeed's own naming, so it stays in step with it)
+            names = [self.engine._get_ckpt_name(path, tag), self.engine._get_zero_ckpt_name(path, tag)]
+        except AttributeError:
+            pass
+        missing = [n for n in names if not os.path.exists(n)]
+        return f"rank {self.rank} finds no {', '.join(missing)}" if missing else ""
+
     def save(self, path: str, tag: str, client_state_json: str) -> None:
         state = {
             "relayrl": {
@@ -293,3 +317,20 @@ class Trainer:
         torch.set_rng_state(client["rng"]["torch"])
         random.setstate(client["rng"]["python"])
         return meta
+
+
+def writable_problem(target: Path) -> str:
+    """Why ``target`` (a folder that may not exist yet) could not be created and written, or "".
+    Looks, creates nothing: a refused request leaves no trace.
+
+    >>> writable_problem(Path("/dev/null/x"))
+    '/dev/null is not a folder'
+    """
+    p = target
+    while not os.path.lexists(p) and p != p.parent:
+        p = p.parent
+    if not p.is_dir():
+        return f"{p} is not a folder"
+    if not os.access(p, os.W_OK | os.X_OK):
+        return f"{p} is not writable"
+    return ""

@@ -39,8 +39,8 @@ def workspace(tmp_path_factory):
     """A warm-started tiny model and the reverse data, built once by ``prepare``."""
     pytest.importorskip("vllm")
     pytest.importorskip("deepspeed")
+    from relayrl.coordinator.assets import prepare
     from relayrl.coordinator.config import load_experiment
-    from relayrl.coordinator.run import prepare
 
     root = tmp_path_factory.mktemp("e2e")
     exp = root / "exp.yaml"
@@ -94,7 +94,8 @@ def test_grpo_raises_heldout_accuracy_then_resumes(workspace):
 def _programmatic(root: Path, exp: Path, overrides: list[str], on_record):
     """Run the coordinator in this process against embedded services the test can kill."""
     from relayrl.coordinator.config import load_experiment
-    from relayrl.coordinator.run import Services, drive, new_run_dir
+    from relayrl.coordinator.run import Services, drive
+    from relayrl.coordinator.runfolder import new_run_dir
 
     cfg = load_experiment(exp, overrides)
     run_dir = new_run_dir(cfg)

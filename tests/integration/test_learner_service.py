@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -42,7 +43,19 @@ def batch(seed: int, n: int = 6) -> list[lp.TrainSample]:
 
 
 def learner(model: Path, tmp: Path, *extra: str):
-    return service(["learner", "--model", str(model), "--world-size", "2", "--lr", "1e-3", *extra], tmp)
+    """Two ZeRO-3 ranks whose checkpoint and export paths must lie in ``tmp``."""
+    args = [
+        "learner",
+        "--model",
+        str(model),
+        "--world-size",
+        "2",
+        "--lr",
+        "1e-3",
+        "--checkpoint-dir",
+        str(tmp),
+    ]
+    return service([*args, *extra], tmp)
 
 
 def train(stub, step: int, seed: int) -> lp.TrainStepResponse:
@@ -108,6 +121,11 @@ def test_bad_batches_are_refused_and_take_no_step(stack):
         prompt_token_ids=[5], completion_token_ids=[6], generator_logprobs=[-1.0], advantage=float("nan")
     )
     short = lp.TrainSample(prompt_token_ids=[5], completion_token_ids=[6, 7], generator_logprobs=[-1.0])
+
+    def one(**kw):
+        fields = dict(prompt_token_ids=[5], completion_token_ids=[6, 7], generator_logprobs=[-1.0, -2.0])
+        return lp.TrainSample(**{**fields, **kw})
+
     cases = {
         "samples is empty": [],
         "samples[0]: advantage is nan": [nan],
@@ -116,11 +134,20 @@ def test_bad_batches_are_refused_and_take_no_step(stack):
             batch(1)[0],
             lp.TrainSample(prompt_token_ids=[10**6], completion_token_ids=[6], generator_logprobs=[-1.0]),
         ],
+        # every value that once disabled the learner or answered INTERNAL after the step was applied
+        "samples[0]: loss_mask values must be in [0, 1]": [one(loss_mask=[1.0, float("nan")])],
+        "samples[1]: loss_mask values must be in [0, 1]": [one(), one(loss_mask=[float("inf"), 1.0])],
+        "samples[2]: loss_mask values must be in [0, 1]": [one(), one(), one(loss_mask=[-1.0, 1.0])],
+        "samples[0]: loss_mask values must be in [0, 1] ": [one(loss_mask=[1e30, 1.0])],
+        "samples[0]: advantage is 1e+30; |advantage| must be <= 1e+06": [one(advantage=1e30)],
+        "samples[0]: generator_logprobs must be finite log-probabilities": [
+            one(generator_logprobs=[-1.0, 0.5])
+        ],
     }
     for needle, samples in cases.items():
         with pytest.raises(grpc.RpcError) as e:
             stub.TrainStep(lp.TrainStepRequest(step=before.step + 1, samples=samples), timeout=60)
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in e.value.details()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle.strip() in e.value.details()
     with pytest.raises(grpc.RpcError) as e:
         stub.TrainStep(lp.TrainStepRequest(step=before.step + 5, samples=batch(0)), timeout=60)
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -128,11 +155,11 @@ def test_bad_batches_are_refused_and_take_no_step(stack):
     assert (after.step, after.policy_version, after.ready) == (before.step, before.policy_version, True)
 
 
-def test_train_push_and_generator_matches_learner(stack, tmp_path):
+def test_train_push_and_generator_matches_learner(stack):
     import torch
     from transformers import AutoModelForCausalLM
 
-    stub, gen, gen_addr, *_ = stack
+    stub, gen, gen_addr, tmp_path, *_ = stack
     r1 = train(stub, 1, seed=1)
     r2 = train(stub, 2, seed=2)
     assert (r2.step, r2.policy_version) == (2, 2)
@@ -202,6 +229,82 @@ def test_unreachable_generator_gives_unavailable_and_training_goes_on(stack):
     assert stub.GetStatus(lp.GetStatusRequest(), timeout=10).ready
 
 
+def test_checkpoint_paths_and_tags_stay_inside_and_refusals_change_nothing(stack):
+    """Hostile tags and paths: refused with the field named, nothing written outside
+    ``checkpoint_dir``, the learner still ready and training afterwards."""
+    stub, _, _, tmp, *_ = stack
+    before = stub.GetStatus(lp.GetStatusRequest(), timeout=10)
+    (tmp / "a-file").write_text("x")
+    outside = tmp.parent / f"{tmp.name}-outside"
+
+    def refused(call, req, code=grpc.StatusCode.INVALID_ARGUMENT) -> str:
+        with pytest.raises(grpc.RpcError) as e:
+            call(req, timeout=120)
+        assert e.value.code() == code, (req, e.value.details())
+        assert len(e.value.details()) < 1100
+        return e.value.details()
+
+    for tag in ["../../x", "sub/../../../x", "/abs", "t" * 1000, "nul\0byte", "..", "."]:
+        assert "letters, digits" in refused(stub.SaveCheckpoint, lp.SaveCheckpointRequest(tag=tag))
+        assert "letters, digits" in refused(stub.LoadCheckpoint, lp.LoadCheckpointRequest(tag=tag))
+    for path in [str(outside), "/tmp/elsewhere", "sub/../../x", "../x"]:
+        for call, req in [
+            (stub.SaveCheckpoint, lp.SaveCheckpointRequest(path=path, tag="t")),
+            (stub.LoadCheckpoint, lp.LoadCheckpointRequest(path=path, tag="t")),
+            (stub.ExportModel, lp.ExportModelRequest(path=path)),
+        ]:
+            assert "outside" in (d := refused(call, req)) or "'..'" in d
+    assert "is not a folder" in refused(
+        stub.SaveCheckpoint, lp.SaveCheckpointRequest(path="a-file/x", tag="t")
+    )
+    assert "is not a folder" in refused(stub.ExportModel, lp.ExportModelRequest(path="a-file/x"))
+    # Nothing to load: NOT_FOUND, as the contract says, whatever is missing.
+    (tmp / "empty" / "t0").mkdir(parents=True)
+    (tmp / "badlatest").mkdir()
+    (tmp / "badlatest" / "latest").write_text("../../etc")
+    not_found = grpc.StatusCode.NOT_FOUND
+    refused(stub.LoadCheckpoint, lp.LoadCheckpointRequest(path="nowhere"), not_found)
+    refused(stub.LoadCheckpoint, lp.LoadCheckpointRequest(path="empty", tag="missing"), not_found)
+    assert "finds no" in refused(
+        stub.LoadCheckpoint, lp.LoadCheckpointRequest(path="empty", tag="t0"), not_found
+    )
+    refused(stub.LoadCheckpoint, lp.LoadCheckpointRequest(path="badlatest"), not_found)
+    assert not outside.exists() and not (tmp.parent / "x").exists()
+    after = stub.GetStatus(lp.GetStatusRequest(), timeout=10)
+    assert (after.step, after.policy_version, after.ready) == (before.step, before.policy_version, True)
+    r = train(stub, after.step + 1, seed=21)
+    assert r.step == after.step + 1
+
+
+def test_a_step_whose_deadline_passes_runs_once_and_its_retry_gets_its_answer(stack):
+    stub, *_ = stack
+    step = stub.GetStatus(lp.GetStatusRequest(), timeout=10).step
+    big = lp.TrainStepRequest(run_id="t", step=step + 1, samples=batch(31, n=64))
+    # The caller gives up mid-step: the step still completes (the other rank is in it) ...
+    with pytest.raises(grpc.RpcError) as e:
+        stub.TrainStep(big, timeout=0.05)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # ... and the retry of that step gets that step's response, not the previous one's.
+    again = stub.TrainStep(big, timeout=300)
+    assert (again.step, again.policy_version) == (step + 1, step + 1)
+    assert stub.TrainStep(big, timeout=300) == again
+    with pytest.raises(grpc.RpcError) as e:  # the same step number with another batch
+        stub.TrainStep(lp.TrainStepRequest(run_id="t", step=step + 1, samples=batch(32)), timeout=60)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "different batch" in e.value.details()
+    # A step whose deadline passes while it waits for the one before it is not taken at all.
+    first = stub.TrainStep.future(
+        lp.TrainStepRequest(run_id="t", step=step + 2, samples=batch(33, n=64)), timeout=300
+    )
+    time.sleep(0.1)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.TrainStep(lp.TrainStepRequest(run_id="t", step=step + 3, samples=batch(34)), timeout=0.05)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert first.result().step == step + 2
+    time.sleep(0.5)  # let the refused one reach the lock and be refused there
+    st = stub.GetStatus(lp.GetStatusRequest(), timeout=10)
+    assert (st.step, st.ready) == (step + 2, True)
+
+
 def test_resume_continues_identically(tiny_model_dir, tmp_path):
     """4 steps straight == 2 steps, checkpoint, new learner process, load, 2 steps (bitwise)."""
     from safetensors.torch import load_file
@@ -224,7 +327,7 @@ def test_resume_continues_identically(tiny_model_dir, tmp_path):
             stub.LoadCheckpoint(
                 lp.LoadCheckpointRequest(path=str(tmp_path / "nothing"), tag="s2"), timeout=60
             )
-        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
         loaded = stub.LoadCheckpoint(lp.LoadCheckpointRequest(path=str(ckpt), tag="s2"), timeout=300)
         assert (loaded.step, loaded.policy_version, json.loads(loaded.client_state_json)) == (
             2,

@@ -1,0 +1,51 @@
+"""An experiment's inputs on the coordinator's host: the model folder and the data files. What is
+missing is named before anything starts (``missing_inputs``); what the config says how to build
+(a tiny warm-started model, generated task data) is built (``prepare``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from relayrl.coordinator.config import ExperimentConfig
+
+
+def missing_inputs(cfg: ExperimentConfig) -> list[str]:
+    """What the experiment needs on this host and can neither find nor build (empty: all there).
+    With deployed services the model is theirs to load, on their own hosts: not looked for here."""
+    problems = []
+    model = Path(cfg.model.path)
+    if cfg.services.embedded and not (model / "config.json").is_file() and cfg.model.tiny is None:
+        problems.append(f"model folder {model} has no config.json (set model.tiny to build a tiny one)")
+    for path in (cfg.data.train, cfg.data.test):
+        if path and not Path(path).is_file() and cfg.data.generate is None:
+            problems.append(f"data file {path} does not exist (set data.generate to build it)")
+    return problems
+
+
+def prepare(cfg: ExperimentConfig) -> None:
+    """Build the tiny model and the task data when the config asks for them and they are missing;
+    ValueError naming what is missing when it cannot."""
+    if problems := missing_inputs(cfg):
+        raise ValueError("; ".join(problems))
+    model = Path(cfg.model.path)
+    if cfg.services.embedded and not (model / "config.json").exists():
+        from relayrl.common.modelkit.sft import warm_start
+        from relayrl.common.modelkit.tiny import update_card, write_tiny_model
+
+        t = cfg.model.tiny
+        print(f"building tiny model in {model} ...", flush=True)
+        write_tiny_model(model, seed=t.seed)
+        if t.task and t.sft_steps:
+            res = warm_start(model, t.task, t.sft_steps, seed=t.seed)
+            update_card(model, sft_task=t.task, sft_steps=t.sft_steps, sft_heldout_exact=res.heldout_exact)
+            print(f"warm-started on {t.task}: held-out greedy exact {res.heldout_exact:.2f}", flush=True)
+    spec = cfg.data.generate
+    for path, split, n in (
+        (cfg.data.train, "train", spec and spec.n_train),
+        (cfg.data.test, "test", spec and spec.n_test),
+    ):
+        if path and not Path(path).exists():
+            from relayrl.common.data.dataset import write_rows
+            from relayrl.common.data.tasks import generate
+
+            write_rows(generate(spec.task, n, seed=spec.seed, split=split), path)

@@ -1,0 +1,39 @@
+"""Run folders: ``<runs_dir>/<run id>`` with the resolved ``config.yaml``, ``checkpoints/`` and
+``metrics.jsonl`` (one record per step), created once and read back on resume."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from relayrl.common import config as cfg_mod
+from relayrl.coordinator.config import ExperimentConfig
+
+
+def new_run_dir(cfg: ExperimentConfig, run_id: str = "") -> Path:
+    """A new run folder: ``<runs_dir>/<run_id>``, or ``<name>-<timestamp>`` with a suffix when
+    that exists (runs started in the same second). FileExistsError for a taken ``run_id``."""
+    runs = Path(cfg.runs_dir)
+    runs.mkdir(parents=True, exist_ok=True)
+    stamp = f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    names = [run_id] if run_id else [stamp, *(f"{stamp}-{i}" for i in range(2, 10_000))]
+    for name in names:
+        try:
+            (runs / name).mkdir()  # atomic: of two runs asking for one name, one gets it
+        except FileExistsError:
+            if run_id:
+                raise
+            continue
+        run = runs / name
+        (run / "checkpoints").mkdir()
+        (run / "config.yaml").write_text(cfg_mod.dump_yaml(cfg))
+        return run
+    raise FileExistsError(f"no free run folder name under {runs} for {stamp}")
+
+
+def load_records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    )

@@ -18,6 +18,13 @@ class RewardConfig(StrictModel):
     """Per-sample scoring limit; past it the sample gets status TIMEOUT and the worker is replaced."""
     plugins: list[str] = Field(default_factory=list)
     """User scorers as ``module:function``; each serves the data sources it declares."""
+    max_items_per_request: int = Field(65536, ge=1)
+    """Most samples one Score call may carry; more is INVALID_ARGUMENT."""
+    max_pending_items: int = Field(262144, ge=1)
+    """Samples queued or being scored over all calls; a call that would go past it is
+    RESOURCE_EXHAUSTED (retry later, or on another replica) instead of waiting without bound."""
+    max_text_chars: int = Field(1 << 20, ge=1)
+    """Longest completion, ground truth or prompt of one sample, in characters."""
 
     @field_validator("plugins")
     @classmethod

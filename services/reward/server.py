@@ -23,7 +23,7 @@ SERVICE = DESCRIPTOR.full_name
 
 def build(pool: ScoringPool, config: RewardConfig) -> ServerHandle:
     """The server around ``pool`` (bound, not started); shutting it down closes the pool."""
-    servicer = RewardServicer(pool, config.timeout_seconds)
+    servicer = RewardServicer(pool, config)
     handle = create_server(servicer, DESCRIPTOR, config.serve)
     handle.on_shutdown.append(pool.close)
     return handle

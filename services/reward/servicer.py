@@ -13,14 +13,16 @@ import logging
 import time
 import uuid
 
-from relayrl.common.rpc import InvalidRequest, ServiceError, check_no_unknown_fields, map_errors
+from relayrl.common.rpc import InvalidRequest, ResourceExhausted, ServiceError, bounded, map_errors
 from relayrl.reward import metrics
+from relayrl.reward.config import RewardConfig
 from relayrl.reward.pool import ERROR, OK, TIMEOUT, SampleResult, ScoreItem, ScoringPool
 from relayrl.reward.v1 import reward_pb2, reward_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 MAX_TIMEOUT_SECONDS = 600.0
+MAX_EXTRA_INFO_CHARS = 65536
 _STATUS = {
     OK: reward_pb2.SCORE_STATUS_OK,
     ERROR: reward_pb2.SCORE_STATUS_ERROR,
@@ -28,10 +30,15 @@ _STATUS = {
 }
 
 
-def item_from_proto(index: int, x: reward_pb2.RewardInput) -> ScoreItem:
-    where = f"items[{index}] ({x.sample_id!r})" if x.sample_id else f"items[{index}]"
+def item_from_proto(index: int, x: reward_pb2.RewardInput, max_chars: int) -> ScoreItem:
+    where = f"items[{index}] ({bounded(repr(x.sample_id), 80)})" if x.sample_id else f"items[{index}]"
     if not x.data_source:
         raise InvalidRequest(f"{where}: data_source is empty")
+    for name in ("completion", "ground_truth", "prompt", "data_source"):
+        if len(getattr(x, name)) > max_chars:
+            raise InvalidRequest(f"{where}: {name} is longer than {max_chars} characters (max_text_chars)")
+    if len(x.extra_info_json) > MAX_EXTRA_INFO_CHARS:
+        raise InvalidRequest(f"{where}: extra_info_json is longer than {MAX_EXTRA_INFO_CHARS} characters")
     extra: object = {}
     if x.extra_info_json:
         try:
@@ -59,29 +66,42 @@ def _code(e: BaseException) -> str:
 
 
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
-    def __init__(self, pool: ScoringPool, default_timeout: float):
+    def __init__(self, pool: ScoringPool, config: RewardConfig):
         self.pool = pool
-        self.default_timeout = default_timeout
+        self.config = config
+        self.default_timeout = config.timeout_seconds
+        self.pending_items = 0
 
     @map_errors
     async def Score(self, request, context):
         t0, code = time.monotonic(), "OK"
         request_id = request.request_id or uuid.uuid4().hex
+        cfg, taken = self.config, 0
         try:
-            check_no_unknown_fields(request)
             if not request.items:
                 raise InvalidRequest("items is empty")
+            if len(request.items) > cfg.max_items_per_request:
+                raise InvalidRequest(
+                    f"{len(request.items)} items; at most {cfg.max_items_per_request} (max_items_per_request)"
+                )
             timeout = request.timeout_seconds
             if not 0 <= timeout <= MAX_TIMEOUT_SECONDS:
                 raise InvalidRequest(
                     f"timeout_seconds must be in [0, {MAX_TIMEOUT_SECONDS:g}] (0: default), got {timeout}"
                 )
-            items = [item_from_proto(i, x) for i, x in enumerate(request.items)]
+            items = [item_from_proto(i, x, cfg.max_text_chars) for i, x in enumerate(request.items)]
+            if self.pending_items + len(items) > cfg.max_pending_items:
+                raise ResourceExhausted(
+                    f"{self.pending_items} samples already queued; this call's {len(items)} would pass "
+                    f"max_pending_items {cfg.max_pending_items}"
+                )
+            self.pending_items += (taken := len(items))
             results = await self.pool.score(items, timeout or self.default_timeout)
         except BaseException as e:
             code = _code(e)
             raise
         finally:
+            self.pending_items -= taken
             metrics.REQUESTS.labels(code).inc()
             metrics.REQUEST_SECONDS.observe(time.monotonic() - t0)
         known = self.pool.data_sources

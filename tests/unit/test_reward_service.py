@@ -36,9 +36,9 @@ COUNTDOWN_GT = json.dumps({"target": 24, "numbers": [3, 4, 6, 8]})
 
 
 @contextlib.asynccontextmanager
-async def serving(workers: int = 2, plugins=PLUGINS):
+async def serving(workers: int = 2, plugins=PLUGINS, **config):
     pool = ScoringPool(workers, plugins)
-    handle = build(pool, RewardConfig(workers=workers, plugins=plugins))
+    handle = build(pool, RewardConfig(workers=workers, plugins=plugins, **config))
     await start(handle, ready=False)
     await pool.start()
     await handle.set_ready(True)
@@ -180,12 +180,48 @@ async def test_a_hung_sample_does_not_hold_up_other_calls(svc):
         (r.ScoreRequest(items=[countdown("e")], timeout_seconds=-1), "timeout_seconds must be in"),
         (r.ScoreRequest(items=[countdown("f")], timeout_seconds=float("nan")), "timeout_seconds must be in"),
         (r.ScoreRequest(items=[countdown("g")], timeout_seconds=601), "timeout_seconds must be in"),
+        (
+            r.ScoreRequest(items=[item("h", "countdown", completion="x" * (1 << 20 | 1))]),
+            "completion is longer than",
+        ),
+        (
+            r.ScoreRequest(items=[item("i", "countdown", extra_info_json="{}" + " " * 70000)]),
+            "extra_info_json is longer",
+        ),
+        (
+            r.ScoreRequest(items=[item(f"j{i}", "countdown") for i in range(65537)]),
+            "at most 65536 (max_items_per_request)",
+        ),
     ],
 )
 @in_module_loop
 async def test_bad_requests_are_invalid_argument(svc, request_, problem):
     err = await error_of(svc.stub.Score(request_))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and problem in err.details()
+
+
+async def test_queued_samples_are_capped_with_resource_exhausted():
+    async with serving(workers=1, plugins=PLUGINS, max_pending_items=3) as s:
+        two_hung = r.ScoreRequest(
+            items=[item("h1", "test/hang"), item("h2", "test/hang")], timeout_seconds=3.0
+        )
+        hung = asyncio.ensure_future(s.stub.Score(two_hung))
+        err = None
+        for _ in range(200):  # until the hung call holds its two places (a pair fits before that)
+            try:
+                await s.stub.Score(r.ScoreRequest(items=[countdown("a"), countdown("b")]))
+            except grpc.aio.AioRpcError as e:
+                err = e
+                break
+            await asyncio.sleep(0.02)
+        assert err is not None and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_pending_items 3" in err.details() and not hung.done()
+        assert (await s.stub.Score(r.ScoreRequest(items=[countdown("c")]))).results[
+            0
+        ].status == r.SCORE_STATUS_OK
+        await hung
+        ok = await s.stub.Score(r.ScoreRequest(items=[countdown("d"), countdown("e"), countdown("f")]))
+        assert [x.status for x in ok.results] == [r.SCORE_STATUS_OK] * 3  # room again
 
 
 @in_module_loop

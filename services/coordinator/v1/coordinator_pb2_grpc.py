@@ -68,8 +68,12 @@ class CoordinatorServiceServicer:
 
     def StartExperiment(self, request, context):
         """Client -> coordinator: start (or resume) an experiment and return at once, typically in
-        state PENDING. Idempotent by run_id: a run_id already known returns that experiment's
-        status without starting another. INVALID_ARGUMENT for a config that does not validate.
+        state PENDING. Everything is checked first: OK means the experiment is under way.
+        Idempotent by run_id: a run_id already known returns that experiment's status without
+        starting another. INVALID_ARGUMENT for a config that does not validate, inputs (model,
+        data) that are missing and cannot be built, or a path outside the coordinator's root;
+        ALREADY_EXISTS for a run_id whose run folder exists but this coordinator did not start;
+        RESOURCE_EXHAUSTED when the coordinator runs as many experiments as it allows.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -83,9 +83,13 @@ class LearnerServiceServicer:
 
     def TrainStep(self, request, context):
         """Coordinator -> learner: one optimizer step on a batch of scored samples. Idempotent by
-        step: repeating the last completed step returns its stored response without training
-        again; any step other than the last completed one or the next is FAILED_PRECONDITION.
-        INVALID_ARGUMENT for empty batches or mismatched per-token lengths.
+        step: repeating one of the last steps taken with the same batch returns that step's
+        response without training again (the same step with another batch is
+        FAILED_PRECONDITION); any other step but the next is FAILED_PRECONDITION. A step whose
+        deadline passes before it can start is not taken (DEADLINE_EXCEEDED); once started it runs
+        to its end even if the caller goes away, and a retry gets its response. INVALID_ARGUMENT
+        for a batch that cannot be trained on (empty, mismatched per-token lengths, values out of
+        range), and for one whose gradient norm is not finite: that step is not applied.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -118,6 +122,8 @@ class LearnerServiceServicer:
 
     def SaveCheckpoint(self, request, context):
         """Coordinator -> learner: write a resumable checkpoint (model, optimizer, scheduler, step).
+        INVALID_ARGUMENT for a path outside the learner's checkpoint_dir, a tag that is not one plain
+        folder name, or a folder no rank can write to (checked on every rank before any writes).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -132,7 +138,8 @@ class LearnerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ExportModel(self, request, context):
-        """Coordinator -> learner: write the current policy as a Hugging Face model folder.
+        """Coordinator -> learner: write the current policy as a Hugging Face model folder, inside the
+        learner's checkpoint_dir (INVALID_ARGUMENT otherwise).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -75,7 +75,7 @@ def decode_samples(
             raise InvalidRequest(f"{where}: loss_mask values must be in [0, 1]")
         if not abs(s.advantage) <= MAX_ABS_ADVANTAGE:  # also refuses NaN
             raise InvalidRequest(
-                f"{where}: advantage is {s.advantage}; |advantage| must be <= {MAX_ABS_ADVANTAGE:g}"
+                f"{where}: advantage is {s.advantage:g}; |advantage| must be <= {MAX_ABS_ADVANTAGE:g}"
             )
         if not all(-math.inf < x <= 0.0 for x in s.generator_logprobs):
             raise InvalidRequest(f"{where}: generator_logprobs must be finite log-probabilities (<= 0)")

@@ -87,6 +87,31 @@ def test_parameters_are_partitioned_over_two_ranks(tiny_model_dir):
     assert res.stdout.count("params partitioned") == 2
 
 
+def test_a_step_with_a_non_finite_gradient_norm_changes_nothing_on_any_rank(tiny_model_dir):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={port}",
+            str(ROOT / "tests/integration/nonfinite_check.py"),
+            str(tiny_model_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.stdout.count("non-finite step skipped, state unchanged") == 2
+
+
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir, tmp_path_factory):
     pytest.importorskip("deepspeed")

@@ -23,12 +23,16 @@ def local_state() -> torch.Tensor:
     parts = [p.ds_tensor.detach().clone().float().reshape(-1) for p in trainer.engine.module.parameters()]
     for group in trainer.engine.optimizer.fp32_partitioned_groups_flat:
         st = trainer.engine.optimizer.optimizer.state.get(group, {})
-        parts += [v.detach().clone().float().reshape(-1) for v in st.values() if torch.is_tensor(v) and v.dim()]
+        parts += [
+            v.detach().clone().float().reshape(-1) for v in st.values() if torch.is_tensor(v) and v.dim()
+        ]
     return torch.cat(parts)
 
 
 def samples(advantage: float) -> list[Sample]:
-    return [Sample([5, 6, 7], [8, 9, 10, 11], [-2.0] * 4, advantage * (1 if i % 2 else -1), []) for i in range(4)]
+    return [
+        Sample([5, 6, 7], [8, 9, 10, 11], [-2.0] * 4, advantage * (1 if i % 2 else -1), []) for i in range(4)
+    ]
 
 
 first = trainer.train_step(samples(1.0), 4)  # a real step: the optimizer has moments now

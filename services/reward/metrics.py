@@ -26,6 +26,10 @@ REQUEST_SECONDS = Histogram(
 WORKERS = Gauge("relayrl_reward_workers", "Scoring worker processes")
 BUSY = Gauge("relayrl_reward_workers_busy", "Scoring workers holding a sample")
 QUEUED = Gauge("relayrl_reward_samples_queued", "Samples waiting for a free worker")
+PENDING = Gauge(
+    "relayrl_reward_samples_pending",
+    "Samples of Score calls in progress, queued or scoring (capped by max_pending_items)",
+)
 WORKER_RESTARTS = Counter(
     "relayrl_reward_worker_restarts",
     "Scoring workers replaced, by reason (timeout: killed past the per-sample limit; died)",

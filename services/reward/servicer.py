@@ -96,12 +96,14 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                     f"max_pending_items {cfg.max_pending_items}"
                 )
             self.pending_items += (taken := len(items))
+            metrics.PENDING.set(self.pending_items)
             results = await self.pool.score(items, timeout or self.default_timeout)
         except BaseException as e:
             code = _code(e)
             raise
         finally:
             self.pending_items -= taken
+            metrics.PENDING.set(self.pending_items)
             metrics.REQUESTS.labels(code).inc()
             metrics.REQUEST_SECONDS.observe(time.monotonic() - t0)
         known = self.pool.data_sources

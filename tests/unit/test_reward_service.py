@@ -201,21 +201,19 @@ async def test_bad_requests_are_invalid_argument(svc, request_, problem):
 
 
 async def test_queued_samples_are_capped_with_resource_exhausted():
+    from prometheus_client import REGISTRY
+
     async with serving(workers=1, plugins=PLUGINS, max_pending_items=3) as s:
         two_hung = r.ScoreRequest(
             items=[item("h1", "test/hang"), item("h2", "test/hang")], timeout_seconds=3.0
         )
         hung = asyncio.ensure_future(s.stub.Score(two_hung))
-        err = None
-        for _ in range(200):  # until the hung call holds its two places (a pair fits before that)
-            try:
-                await s.stub.Score(r.ScoreRequest(items=[countdown("a"), countdown("b")]))
-            except grpc.aio.AioRpcError as e:
-                err = e
-                break
-            await asyncio.sleep(0.02)
-        assert err is not None and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "max_pending_items 3" in err.details() and not hung.done()
+        await until(
+            lambda: REGISTRY.get_sample_value("relayrl_reward_samples_pending") == 2
+        )  # it holds 2 places
+        err = await error_of(s.stub.Score(r.ScoreRequest(items=[countdown("a"), countdown("b")])))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_pending_items 3" in err.details()
+        assert not hung.done()
         assert (await s.stub.Score(r.ScoreRequest(items=[countdown("c")]))).results[
             0
         ].status == r.SCORE_STATUS_OK

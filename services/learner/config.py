@@ -72,12 +72,20 @@ class LearnerConfig(StrictModel):
     """Path of a Hugging Face model folder to train. Required to serve."""
     world_size: int = Field(1, ge=1, le=4096)
     """ZeRO-3 ranks (processes), over one or several nodes."""
+    zero_stage: Literal[1, 2, 3] = 3
+    """DeepSpeed ZeRO stage: 3 partitions weights, gradients and optimizer state over the ranks
+    (the default: what lets a model larger than one device train); 2 and 1 keep every weight whole
+    on every rank and partition less, faster where it fits (``bench/learner.py`` compares them)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Training dtype; bfloat16 on GPUs, float32 on CPU."""
     micro_batch_tokens: int = Field(4096, ge=16)
     """Tokens per micro-batch per rank; samples are balanced across ranks by token count."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
+    logits_chunk_mib: float = Field(512.0, gt=0, le=1 << 20)
+    """Log-probs are computed from the last hidden states a chunk of tokens at a time, the LM head
+    applied inside the chunk (and again in backward): this bounds one chunk's float32 logits, in
+    MiB. Full-vocabulary logits for a whole micro-batch never exist."""
     bucket_mb: float = Field(64.0, gt=0, le=4096)
     """Weight push bucket size in MiB: tensors are packed into buckets this large per broadcast."""
     loss: LossConfig = Field(default_factory=LossConfig)

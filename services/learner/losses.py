@@ -131,15 +131,3 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, totals: Totals) -> tuple[torch
         "kl": kl_sum,
         "tis_weight": float((weight * mask).sum()),
     }
-
-
-def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
-    """Log-probability of ``targets`` [B, T] under ``logits`` [B, T, V] / temperature, and the
-    per-token entropy (no gradient; a metric). Logits are scaled like the generator's sampler,
-    so the ratio to the generator's logprobs compares the same distribution."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(logp.exp() * logp).sum(-1)
-    return picked, entropy

@@ -27,7 +27,8 @@ import torch.distributed as dist
 from relayrl.common import weightsync as ws
 from relayrl.learner.batching import plan_step
 from relayrl.learner.config import LearnerConfig
-from relayrl.learner.losses import LossInputs, Totals, policy_loss, token_logprobs_and_entropy
+from relayrl.learner.logprobs import chunk_rows, completion_hidden, token_logprobs
+from relayrl.learner.losses import LossInputs, Totals, policy_loss
 
 logger = logging.getLogger(__name__)
 
@@ -43,17 +44,24 @@ class Sample:
     loss_mask: list[float]
 
 
-def ds_config(cfg: LearnerConfig) -> dict:
+def ds_config(cfg: LearnerConfig, hidden_size: int) -> dict:
+    # Communication buckets sized to the model, as the HF integration's "auto" does: DeepSpeed's
+    # defaults (5e8 elements for reduction) are sized for billions of parameters and hold memory
+    # a smaller model never needs.
+    bucket = hidden_size * hidden_size
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,  # accumulation is driven by hand (see train_step)
         "gradient_clipping": cfg.optim.grad_clip,
         "zero_optimization": {
-            "stage": 3,
+            "stage": cfg.zero_stage,
             # Partition every parameter, however small: the default keeps tiny ones whole.
             "stage3_param_persistence_threshold": 0,
             "stage3_gather_16bit_weights_on_model_save": True,
             "overlap_comm": False,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+            "stage3_prefetch_bucket_size": int(0.9 * bucket),
         },
         "bf16": {"enabled": cfg.dtype == "bfloat16"},
         "zero_allow_untested_optimizer": True,
@@ -78,6 +86,31 @@ def _lr_lambda(cfg: LearnerConfig):
     return f
 
 
+class Policy(torch.nn.Module):
+    """A Hugging Face causal LM that answers per-token log-probs and entropies of completion
+    tokens (``logprobs.py``: chunked, no full-vocabulary logits). It is DeepSpeed's root module,
+    so the backbone and the head run inside one forward and ZeRO-3's hooks see every module call.
+    ``lm`` keeps the HF model, whose parameter names are the checkpoint's."""
+
+    def __init__(self, lm: torch.nn.Module, rows_per_chunk: int):
+        super().__init__()
+        self.lm = lm
+        self.rows_per_chunk = rows_per_chunk
+
+    def forward(self, ids, targets, starts: list[int], width: int, temperature: float):
+        # No attention mask: rows are right-padded and attention is causal, so no real token
+        # attends to a pad (pads only come after it) and the pads' own outputs are masked out of
+        # every loss. Without a mask, attention takes its causal fast path (SDPA, flash).
+        hidden = self.lm.base_model(input_ids=ids).last_hidden_state
+        return token_logprobs(
+            self.lm.get_output_embeddings(),
+            completion_hidden(hidden, starts, width),
+            targets,
+            temperature,
+            self.rows_per_chunk,
+        )
+
+
 class Trainer:
     """A ZeRO-3 engine over a Hugging Face causal LM (one per rank)."""
 
@@ -95,23 +128,25 @@ class Trainer:
             else torch.device("cpu")
         )
         self.dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-        conf = ds_config(cfg)
+        conf = ds_config(cfg, AutoConfig.from_pretrained(cfg.model).hidden_size)
         self._hf_ds = HfDeepSpeedConfig(conf)  # must stay alive: makes from_pretrained partition (zero.Init)
         self.model_config = AutoConfig.from_pretrained(cfg.model)
         model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=self.dtype)
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        rows = chunk_rows(self.model_config.vocab_size, cfg.logits_chunk_mib)
         opt = torch.optim.AdamW(
             model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay
         )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=opt, lr_scheduler=sched, config=conf
+            model=Policy(model, rows), optimizer=opt, lr_scheduler=sched, config=conf
         )
+        self.lm = model  # the HF model inside the engine: parameter names as in the checkpoint
         self.ref = None
         if cfg.loss.kl_coef > 0:
             ref_model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=self.dtype)
-            self.ref, *_ = deepspeed.initialize(model=ref_model, config=conf)
+            self.ref, *_ = deepspeed.initialize(model=Policy(ref_model, rows), config=conf)
             self.ref.train(False)  # frozen reference: inference mode
         self.step = 0
         self.version = 0
@@ -119,30 +154,19 @@ class Trainer:
         self.max_len = getattr(self.model_config, "max_position_embeddings", 1 << 30)
 
     # -- training ------------------------------------------------------------------------
-    def _forward_logprobs(self, engine, ids, attn, targets, starts, width):
-        logits = engine(input_ids=ids, attention_mask=attn).logits
-        # Position p predicts token p+1: completion token j of row i sits at starts[i] + j.
-        idx = (
-            torch.as_tensor(starts, device=ids.device)[:, None]
-            + torch.arange(width, device=ids.device)[None, :]
-            - 1
-        )
-        idx = idx.clamp(min=0, max=logits.shape[1] - 1)
-        sel = logits.gather(1, idx[:, :, None].expand(-1, -1, logits.shape[-1]))
-        return token_logprobs_and_entropy(sel, targets, self.cfg.loss.temperature)
+    def _forward_logprobs(self, engine, ids, targets, starts, width):
+        return engine(ids, targets, starts, width, self.cfg.loss.temperature)
 
     def _tensors(self, batch: list[Sample]):
         width = max(len(s.completion) for s in batch)
         total = max(len(s.prompt) + len(s.completion) for s in batch)
         ids = torch.zeros(len(batch), total, dtype=torch.long)
-        attn = torch.zeros(len(batch), total, dtype=torch.long)
         targets = torch.zeros(len(batch), width, dtype=torch.long)
         behavior = torch.zeros(len(batch), width, dtype=torch.float32)
         mask = torch.zeros(len(batch), width, dtype=torch.float32)
         for i, s in enumerate(batch):
             seq = s.prompt + s.completion
             ids[i, : len(seq)] = torch.tensor(seq)
-            attn[i, : len(seq)] = 1
             n = len(s.completion)
             targets[i, :n] = torch.tensor(s.completion)
             if s.behavior_logprobs:
@@ -153,7 +177,6 @@ class Trainer:
         dev = self.device
         return (
             ids.to(dev),
-            attn.to(dev),
             targets.to(dev),
             behavior.to(dev),
             mask.to(dev),
@@ -165,13 +188,16 @@ class Trainer:
     def train_step(self, samples: list[Sample], max_completion_tokens: int) -> dict[str, float]:
         """One optimizer step on ``samples`` (the whole step's batch; every rank gets all of it)."""
         t0 = time.monotonic()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         lengths = [len(s.prompt) + len(s.completion) for s in samples]
         plan = plan_step(lengths, self.world_size, self.cfg.micro_batch_tokens)[self.rank]
         total_tokens = sum(sum(s.loss_mask) if s.loss_mask else len(s.completion) for s in samples)
         totals = Totals(
             tokens=max(1, int(total_tokens)), sequences=len(samples), max_tokens=max_completion_tokens
         )
-        sums = torch.zeros(5, dtype=torch.float64)  # loss, entropy, clipped, kl, tis weight
+        # On the training device: an NCCL group takes no CPU tensor (issue 13 found this one).
+        sums = torch.zeros(5, dtype=torch.float64, device=self.device)  # loss, entropy, clipped, kl, tis
         self.engine.train()
         for k, mb in enumerate(plan):
             self.engine.set_gradient_accumulation_boundary(k == len(plan) - 1)
@@ -179,13 +205,13 @@ class Trainer:
             # gradients inside backward, so every rank must run as many as the others.
             batch = [samples[i] for i in mb] or [samples[0]]
             scale = 1.0 if mb else 0.0
-            ids, attn, targets, behavior, mask, adv, starts, width = self._tensors(batch)
+            ids, targets, behavior, mask, adv, starts, width = self._tensors(batch)
             mask = mask * scale
-            logp, entropy = self._forward_logprobs(self.engine, ids, attn, targets, starts, width)
+            logp, entropy = self._forward_logprobs(self.engine, ids, targets, starts, width)
             ref_logp = None
             if self.ref is not None:
                 with torch.no_grad():
-                    ref_logp, _ = self._forward_logprobs(self.ref, ids, attn, targets, starts, width)
+                    ref_logp, _ = self._forward_logprobs(self.ref, ids, targets, starts, width)
             loss, stats = policy_loss(LossInputs(logp, behavior, adv, mask, ref_logp), self.cfg.loss, totals)
             # ZeRO averages gradients over ranks; our loss is already a share of the global
             # mean, so undo the average.
@@ -199,6 +225,7 @@ class Trainer:
                     stats["tis_weight"],
                 ],
                 dtype=torch.float64,
+                device=self.device,
             )
         lr = self.scheduler.get_last_lr()[0]
         self.engine.step()
@@ -226,6 +253,7 @@ class Trainer:
             "samples": len(samples),
             "step_seconds": time.monotonic() - t0,
             "micro_batches": len(plan),
+            "peak_memory_mb": _peak_memory_mb(self.device),
         }
 
     # -- weights -------------------------------------------------------------------------
@@ -233,7 +261,7 @@ class Trainer:
         """Checkpoint names and full shapes of every parameter, without gathering anything."""
         return [
             ws.TensorMeta(n, dtype, tuple(getattr(p, "ds_shape", p.shape)))
-            for n, p in self.engine.module.named_parameters()
+            for n, p in self.lm.named_parameters()
         ]
 
     def gathered_buckets(self, buckets: list[ws.Bucket]) -> Iterator[list[torch.Tensor] | None]:
@@ -241,7 +269,7 @@ class Trainer:
         bucket's order, cast to the plan's dtype), other ranks get None."""
         import deepspeed
 
-        params = dict(self.engine.module.named_parameters())
+        params = dict(self.lm.named_parameters())
         for b in buckets:
             group = [params[m.name] for m in b.tensors]
             with deepspeed.zero.GatheredParameters(group, modifier_rank=None):
@@ -334,3 +362,12 @@ def writable_problem(target: Path) -> str:
     if not os.access(p, os.W_OK | os.X_OK):
         return f"{p} is not writable"
     return ""
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    """The CUDA allocator's peak since the step began, or on CPU the process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,30 +14,11 @@ from relayrl.generator.v1 import generator_pb2_grpc as gg
 from relayrl.learner.v1 import learner_pb2 as lp
 from relayrl.learner.v1 import learner_pb2_grpc as lg
 
+from tests.learner_kit import batch, torchrun
 from tests.procs import service
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def batch(seed: int, n: int = 6) -> list[lp.TrainSample]:
-    """A deterministic batch: varied lengths, mixed-sign advantages, plausible logprobs."""
-    import random
-
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        k = rng.randint(2, 12)
-        out.append(
-            lp.TrainSample(
-                prompt_token_ids=[rng.randrange(3, 300) for _ in range(rng.randint(3, 9))],
-                completion_token_ids=[rng.randrange(3, 300) for _ in range(k)],
-                generator_logprobs=[-rng.uniform(4.5, 7.0) for _ in range(k)],
-                advantage=(1.0 if i % 2 else -1.0) * rng.uniform(0.5, 1.5),
-                policy_version=0,
-            )
-        )
-    return out
 
 
 def learner(model: Path, tmp: Path, *extra: str):
@@ -63,53 +42,20 @@ def train(stub, step: int, seed: int) -> lp.TrainStepResponse:
 
 
 def test_parameters_are_partitioned_over_two_ranks(tiny_model_dir):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            f"--master_port={port}",
-            str(ROOT / "tests/integration/partition_check.py"),
-            str(tiny_model_dir),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        start_new_session=True,
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    res = torchrun("partition_check.py", str(tiny_model_dir))
     assert res.stdout.count("params partitioned") == 2
 
 
 def test_a_step_with_a_non_finite_gradient_norm_changes_nothing_on_any_rank(tiny_model_dir):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            f"--master_port={port}",
-            str(ROOT / "tests/integration/nonfinite_check.py"),
-            str(tiny_model_dir),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        start_new_session=True,
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    res = torchrun("nonfinite_check.py", str(tiny_model_dir))
     assert res.stdout.count("non-finite step skipped, state unchanged") == 2
+
+
+def test_every_collective_tensor_has_an_explicit_device(tiny_model_dir):
+    """The CPU stand-in for "NCCL takes no CPU tensor": train, push, save, load and export with
+    collectives that refuse a tensor relayrl made without naming its device (device_check.py)."""
+    res = torchrun("device_check.py", str(tiny_model_dir))
+    assert res.stdout.count("every collective tensor had an explicit device") == 2
 
 
 @pytest.fixture(scope="module")

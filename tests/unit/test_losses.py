@@ -20,7 +20,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 from relayrl.learner.config import LossConfig
-from relayrl.learner.losses import LossInputs, Totals, policy_loss, token_logprobs_and_entropy
+from relayrl.learner.losses import LossInputs, Totals, policy_loss
 
 approx = partial(pytest.approx, rel=1e-9)
 e = math.exp
@@ -207,22 +207,3 @@ def test_masked_tokens_whose_ratio_overflows_do_not_poison_the_loss():
     inp = batch(lp=with_masked(LP, 800.0))  # e^(800 + 0.8) = inf in float64; A = -2 gives per-token +inf
     loss, grad, _ = loss_and_grad(inp, LossConfig())
     assert math.isfinite(loss) and all(math.isfinite(g) for row in grad for g in row)
-
-
-def test_token_logprobs_and_entropy_match_a_hand_softmax():
-    # Token 0: logits ln1, ln2, ln3 -> p = 1/6, 2/6, 3/6. Token 1: logits 0, 0, 0 -> uniform.
-    logits = t64([[[0.0, math.log(2), math.log(3)], [0.0, 0.0, 0.0]]]).requires_grad_()
-    targets = torch.tensor([[2, 0]])
-    picked, entropy = token_logprobs_and_entropy(logits, targets)
-    # The function computes in float32 (logits.float()), hence the looser tolerance here.
-    assert picked.tolist()[0] == pytest.approx([math.log(1 / 2), math.log(1 / 3)], rel=1e-6)
-    h0 = -sum(p * math.log(p) for p in (1 / 6, 2 / 6, 3 / 6))
-    assert entropy.tolist()[0] == pytest.approx([h0, math.log(3)], rel=1e-6)
-    assert picked.requires_grad and not entropy.requires_grad
-
-    # Temperature 2: logits / 2 = ln(sqrt k) -> p proportional to 1, sqrt2, sqrt3; uniform stays uniform.
-    picked, entropy = token_logprobs_and_entropy(logits, targets, temperature=2.0)
-    z = 1 + math.sqrt(2) + math.sqrt(3)
-    probs = [1 / z, math.sqrt(2) / z, math.sqrt(3) / z]
-    assert picked.tolist()[0] == pytest.approx([math.log(math.sqrt(3) / z), math.log(1 / 3)], rel=1e-6)
-    assert entropy.tolist()[0] == pytest.approx([-sum(p * math.log(p) for p in probs), math.log(3)], rel=1e-6)

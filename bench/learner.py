@@ -1,0 +1,246 @@
+"""The learner service's TrainStep against plain PyTorch on the same model, batch and micro-batches.
+
+    python bench/learner.py [--sizes tiny,10m] [--steps 4] [--stages 3]       # CPU
+    python bench/learner.py --sizes 0.5b,1.5b --steps 4 --stages 3,2          # a CUDA machine
+
+relayrl: a learner service (world size 1, ZeRO stage as given) answering ``TrainStep`` over gRPC,
+timed end to end by the caller (decode, micro-batches, chunked log-probs, GRPO loss, backward,
+optimizer step). Plain PyTorch: a separate process running the HF model with AdamW (fused on
+CUDA), the same micro-batches of the same samples and the same loss on the full-vocabulary
+logits, as a user's own training loop would. Both: random-init weights of the named shape,
+float32 on CPU and bfloat16 on CUDA, medians of ``--steps`` steps after one warm-up step, in one
+run. Peak memory: the CUDA allocator's peak during a step, or on CPU the process's peak RSS. MFU
+(CUDA): 6 x parameters x tokens per second over the GPU's dense bf16 peak. The learner's
+SaveCheckpoint and LoadCheckpoint are timed too. Last line: ``learner_vs_torch_ratio: X``, the
+step-time ratio of the largest model run (target <= 1.25, and peak memory no higher).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import print_table
+
+# name -> (Qwen2 config fields, samples, prompt tokens, completion tokens, micro_batch_tokens)
+SHAPES = {
+    "tiny": (dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=512, vocab_size=512), 16, 32, 96, 1024),
+    "10m": (dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,
+                 intermediate_size=1024, vocab_size=512), 16, 32, 96, 1024),
+    "10m-v32k": (dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,
+                      intermediate_size=1024, vocab_size=32768), 16, 32, 96, 1024),
+    # Qwen2.5-0.5B and 1.5B shapes (tied embeddings, vocab 151936): GPU sizes
+    "0.5b": (dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                  intermediate_size=4864, vocab_size=151936), 64, 128, 384, 16384),
+    "1.5b": (dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                  intermediate_size=8960, vocab_size=151936), 64, 128, 384, 8192),
+}  # fmt: skip
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
+
+
+def make_model(name: str, out: Path) -> Path:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    fields = SHAPES[name][0]
+    cfg = Qwen2Config(**fields, max_position_embeddings=2048, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+def samples(name: str, seed: int):
+    import random
+
+    from relayrl.learner.v1 import learner_pb2 as lp
+
+    fields, n, prompt, completion, _ = SHAPES[name]
+    rng = random.Random(seed)
+    vocab = fields["vocab_size"]
+    return [
+        lp.TrainSample(
+            prompt_token_ids=[rng.randrange(vocab) for _ in range(prompt)],
+            completion_token_ids=[rng.randrange(vocab) for _ in range(completion)],
+            generator_logprobs=[-rng.uniform(1.0, 6.0) for _ in range(completion)],
+            advantage=rng.choice((-1.0, 1.0)) * rng.uniform(0.5, 1.5),
+        )
+        for _ in range(n)
+    ]
+
+
+def n_params(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for f in model_dir.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                n = 1
+                for d in st.get_slice(k).get_shape():
+                    n *= d
+                total += n
+    return total
+
+
+def run_relayrl(name: str, model: Path, dtype: str, stage: int, steps: int, tmp: Path) -> dict:
+    import grpc
+    from relayrl.learner.v1 import learner_pb2 as lp
+    from relayrl.learner.v1 import learner_pb2_grpc as lg
+
+    from tests.procs import service
+
+    micro = SHAPES[name][4]
+    args = ["learner", "--model", str(model), "--world-size", "1", "--dtype", dtype, "--lr", "1e-5",
+            "--checkpoint-dir", str(tmp), "--set", f"micro_batch_tokens={micro}", "--set", f"zero_stage={stage}"]  # fmt: skip
+    with service(args, tmp, timeout=900) as (addr, _):
+        stub = lg.LearnerServiceStub(
+            grpc.insecure_channel(addr, options=[("grpc.max_send_message_length", 1 << 30)])
+        )
+        times, peaks, tokens = [], [], 0
+        for step in range(1, steps + 2):
+            req = lp.TrainStepRequest(run_id="bench", step=step, samples=samples(name, step))
+            t0 = time.perf_counter()
+            resp = stub.TrainStep(req, timeout=3600)
+            dt = time.perf_counter() - t0
+            peaks.append(resp.metrics.extra.get("peak_memory_mb", 0.0))
+            if step > 1:  # the first step warms allocators and caches
+                times.append(dt)
+            tokens = sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in req.samples)
+        t0 = time.perf_counter()
+        stub.SaveCheckpoint(lp.SaveCheckpointRequest(path="ckpt", tag="bench"), timeout=3600)
+        save = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        stub.LoadCheckpoint(lp.LoadCheckpointRequest(path="ckpt", tag="bench"), timeout=3600)
+        load = time.perf_counter() - t0
+    return {
+        "step_s": statistics.median(times),
+        "tokens": tokens,
+        "peak_mb": max(peaks),
+        "save_s": save,
+        "load_s": load,
+    }
+
+
+def run_torch(name: str, model: Path, dtype: str, steps: int) -> dict:
+    """The baseline, in its own process (its memory is its own)."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--torch-worker", name, str(model), dtype, str(steps)],
+        capture_output=True, text=True, timeout=7200, check=False,
+    )  # fmt: skip
+    if out.returncode:
+        raise SystemExit(f"plain PyTorch run failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def torch_worker(name: str, model_dir: str, dtype: str, steps: int) -> None:
+    """Plain PyTorch: HF model, AdamW, same micro-batches and loss, full-vocabulary logits."""
+    import resource
+
+    import torch
+    from relayrl.learner.batching import plan_step
+    from relayrl.learner.config import LossConfig
+    from relayrl.learner.losses import LossInputs, Totals, policy_loss
+    from transformers import AutoModelForCausalLM
+
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    dt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+    cfg, micro = LossConfig(), SHAPES[name][4]
+    times, peaks = [], []
+    for step in range(1, steps + 2):
+        batch = samples(name, step)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        lengths = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in batch]
+        totals = Totals(tokens=sum(len(s.completion_token_ids) for s in batch), sequences=len(batch))
+        for mb in plan_step(lengths, 1, micro)[0]:
+            rows = [batch[i] for i in mb]
+            ids = torch.tensor(
+                [list(s.prompt_token_ids) + list(s.completion_token_ids) for s in rows], device=dev
+            )
+            width = len(rows[0].completion_token_ids)
+            logits = model(input_ids=ids).logits[:, -width - 1 : -1].float()
+            logp = torch.log_softmax(logits, -1).gather(-1, ids[:, -width:, None])[..., 0]
+            beh = torch.tensor([list(s.generator_logprobs) for s in rows], device=dev)
+            adv = torch.tensor([s.advantage for s in rows], device=dev)
+            loss, _ = policy_loss(LossInputs(logp, beh, adv, torch.ones_like(beh)), cfg, totals)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated() / 2**20)
+        else:
+            peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        if step > 1:
+            times.append(time.perf_counter() - t0)
+    print(json.dumps({"step_s": statistics.median(times), "peak_mb": max(peaks)}))
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--torch-worker":
+        return torch_worker(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+    import torch
+
+    cuda = torch.cuda.is_available()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="0.5b,1.5b" if cuda else "tiny,10m")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--stages", default="3", help="ZeRO stages to run relayrl with, e.g. 3,2")
+    args = ap.parse_args()
+    dtype = "bfloat16" if cuda else "float32"
+    device = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
+    peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device), None) if cuda else None
+    rows, ratio = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.sizes.split(","):
+            model = make_model(name, Path(tmp) / name)
+            params = n_params(model)
+            base = run_torch(name, model, dtype, args.steps)
+            for stage in [int(s) for s in args.stages.split(",")]:
+                r = run_relayrl(name, model, dtype, stage, args.steps, Path(tmp) / f"{name}-z{stage}")
+                ratio = r["step_s"] / base["step_s"]
+                for who, res in ((f"relayrl (ZeRO-{stage})", r), ("plain PyTorch", base)):
+                    tps = r["tokens"] / res["step_s"]
+                    mfu = f"{6 * params * tps / (peak * 1e12):.0%}" if peak else "-"
+                    rows.append([name, f"{params / 1e6:.1f}M", who, f"{res['step_s']:.3f}", f"{tps:,.0f}",
+                                 f"{res['peak_mb']:,.0f}", mfu, f"{res['step_s'] / base['step_s']:.2f}",
+                                 f"{res.get('save_s', 0):.2f}" if "save_s" in res else "-",
+                                 f"{res.get('load_s', 0):.2f}" if "load_s" in res else "-"])  # fmt: skip
+    print_table(
+        [
+            "model",
+            "params",
+            "trainer",
+            "step s",
+            "tokens/s",
+            "peak MiB",
+            "MFU",
+            "vs torch",
+            "save s",
+            "load s",
+        ],
+        rows,
+        title=f"TrainStep, {dtype}, world size 1, medians of {args.steps} steps, on {device}",
+    )
+    print(f"learner_vs_torch_ratio: {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Per-token log-probs and entropy of completion tokens, without full-vocabulary logits.
+
+A causal LM's logits for a micro-batch are ``[batch, tokens, vocab]``: with Qwen2.5's 151,936
+entries and float32 for the softmax, 64 x 512 tokens are 20 GB, most of a learner's memory. Only
+two numbers per token are needed (the target's log-prob, and the entropy as a metric). So the
+final hidden states ``[batch, tokens, hidden]`` are taken at the positions that predict
+completion tokens, flattened, and cut into chunks of rows; each chunk goes through the LM head,
+is reduced to those two numbers, and its logits are dropped. In backward each chunk's logits are
+recomputed from its hidden states (activation checkpointing), so at most one chunk of logits
+exists at a time, forward or backward. TRL, verl and Liger do the same for the same reason.
+
+Values equal the full computation's: ``log_softmax`` is ``x - logsumexp(x)`` either way, in
+float32 (tests/unit/test_logprobs.py compares them, gradients included).
+
+In flow the backbone's last hidden states, the LM head module (called per chunk, so ZeRO-3's
+hooks gather its weight as for any module call) and the targets; out flow ``[batch, tokens]``
+log-probs (differentiable) and entropies (no gradient).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+def completion_hidden(hidden: torch.Tensor, starts: list[int], width: int) -> torch.Tensor:
+    """The hidden states that predict completion tokens: row ``i``'s token ``j`` sits at position
+    ``starts[i] + j`` and is predicted from position ``starts[i] + j - 1``. ``[B, width, H]``;
+    positions past a row's end repeat its last one (they are masked out of every loss)."""
+    b, s, h = hidden.shape
+    idx = (
+        torch.as_tensor(starts, device=hidden.device)[:, None]
+        + torch.arange(width, device=hidden.device)[None, :]
+        - 1
+    )
+    idx = idx.clamp(min=0, max=s - 1)
+    return hidden.gather(1, idx[:, :, None].expand(b, width, h))
+
+
+def _chunk(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
+    logits = head(hidden)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    picked = logp.gather(-1, targets[:, None])[:, 0]
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)
+    return picked, entropy
+
+
+def chunk_rows(vocab_size: int, chunk_mib: float) -> int:
+    """Rows per chunk so that one chunk's float32 logits take about ``chunk_mib`` MiB.
+
+    >>> chunk_rows(151936, 512), chunk_rows(512, 512)
+    (883, 262144)
+    """
+    return max(1, int(chunk_mib * (1 << 20)) // (4 * vocab_size))
+
+
+def token_logprobs(
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    rows_per_chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of ``targets`` [B, T] under ``head(hidden)`` / temperature (hidden [B, T, H]),
+    and per-token entropies, computed ``rows_per_chunk`` tokens at a time."""
+    b, t, h = hidden.shape
+    flat_h, flat_t = hidden.reshape(b * t, h), targets.reshape(b * t)
+    grad = torch.is_grad_enabled() and hidden.requires_grad
+    picked, entropy = [], []
+    for i in range(0, b * t, rows_per_chunk):
+        args = (head, flat_h[i : i + rows_per_chunk], flat_t[i : i + rows_per_chunk], temperature)
+        # Recompute the chunk's logits in backward instead of keeping them: that is the point.
+        lp, ent = checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args)
+        picked.append(lp)
+        entropy.append(ent)
+    if not picked:  # an empty batch
+        empty = hidden.new_zeros(b, t, dtype=torch.float32)
+        return empty, empty
+    return torch.cat(picked).reshape(b, t), torch.cat(entropy).reshape(b, t)

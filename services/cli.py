@@ -4,15 +4,15 @@ so ``relayrl --help`` answers without loading torch, vLLM or DeepSpeed."""
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from relayrl import __version__
+from relayrl.common import logcontext
 from relayrl.common.config import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from relayrl.common import serve_cli
+    from relayrl import serve_cli
     from relayrl.common.data import cli as data_cli
     from relayrl.common.modelkit import cli as model_cli
     from relayrl.coordinator import cli as coordinator_cli
@@ -34,9 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logcontext.configure(args.log_level.upper())
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:

@@ -20,8 +20,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from relayrl import serve_cli
 from relayrl.cli import build_parser
-from relayrl.common import healthcheck, serve_cli
+from relayrl.common import healthcheck
 from relayrl.common.grpc_server import create_server, start
 from relayrl.coordinator.v1 import coordinator_pb2
 from relayrl.generator.v1 import generator_pb2

@@ -26,6 +26,7 @@ import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from relayrl.common.logcontext import ContextInterceptor
 from relayrl.common.rpc import decoder
 from relayrl.common.security import server_security
 from relayrl.common.serving import ServeConfig
@@ -101,7 +102,9 @@ def create_server(
     credentials, auth = server_security(serve)
     limit = serve.max_message_mb * 1024 * 1024
     server = grpc.aio.server(
-        interceptors=[*auth, *interceptors],  # the token check first: a stranger reaches no servicer
+        # The token check first: a stranger reaches no servicer. Then the caller's run id, step
+        # and policy version go into this service's log lines.
+        interceptors=[*auth, ContextInterceptor(), *interceptors],
         options=[
             ("grpc.max_send_message_length", limit),
             ("grpc.max_receive_message_length", limit),

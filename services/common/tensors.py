@@ -1,12 +1,11 @@
 """Tensors on the wire: ``relayrl.common.v1.DType`` <-> weightsync's dtype names, and bucket
-plans -> ``relayrl.generator.v1.BucketPlan`` (the learner sends them; generators parse them in
+plans -> ``relayrl.common.v1.BucketPlan`` (the learner sends them; generators parse them in
 their servicer, with validation)."""
 
 from __future__ import annotations
 
 from relayrl.common import weightsync as ws
 from relayrl.common.v1 import common_pb2
-from relayrl.generator.v1 import generator_pb2
 
 DTYPE_TO_PROTO = {
     "float32": common_pb2.DTYPE_FLOAT32,
@@ -20,10 +19,10 @@ DTYPE_TO_PROTO = {
 DTYPE_NAMES = {v: k for k, v in DTYPE_TO_PROTO.items()}
 
 
-def plan_to_proto(buckets: list[ws.Bucket]) -> generator_pb2.BucketPlan:
-    return generator_pb2.BucketPlan(
+def plan_to_proto(buckets: list[ws.Bucket]) -> common_pb2.BucketPlan:
+    return common_pb2.BucketPlan(
         buckets=[
-            generator_pb2.Bucket(
+            common_pb2.Bucket(
                 tensors=[
                     common_pb2.TensorSpec(name=m.name, dtype=DTYPE_TO_PROTO[m.dtype], shape=m.shape)
                     for m in b.tensors

@@ -1,5 +1,6 @@
 """Clients of the three services, as the coordinator uses them: deadlines on every call, work
-spread over replicas, and a failed replica's work re-issued to the others.
+spread over replicas, and a failed replica's work re-issued to the others. The learner is one
+service with one address (``LearnerClient``).
 
 Generate is spread by prompt: each healthy replica gets a share of the prompts. If a replica's
 call fails (it died, or its deadline passed), its prompts whose groups are not complete are sent
@@ -17,11 +18,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+from relayrl.common import logcontext
 from relayrl.common.security import client_channel
 from relayrl.common.serving import ClientSecurity
 from relayrl.common.v1 import common_pb2
 from relayrl.generator.v1 import generator_pb2 as g
 from relayrl.generator.v1 import generator_pb2_grpc as gg
+from relayrl.learner.v1 import learner_pb2 as lp
+from relayrl.learner.v1 import learner_pb2_grpc as lg
 from relayrl.reward.v1 import reward_pb2 as rw
 from relayrl.reward.v1 import reward_pb2_grpc as rwg
 
@@ -112,7 +116,9 @@ class GeneratorPool:
         stub = gg.GeneratorServiceStub(rep.channel)
         try:
             call = stub.Generate(
-                g.GenerateRequest(request_id=rid, prompts=share, sampling=sampling), timeout=self.deadline_s
+                g.GenerateRequest(request_id=rid, prompts=share, sampling=sampling),
+                timeout=self.deadline_s,
+                metadata=logcontext.current(),
             )
             async for resp in call:
                 for s in resp.samples:
@@ -169,7 +175,9 @@ class RewardPool:
     async def _call(self, rep: Replica, chunk: list, rid: str) -> list[rw.RewardResult] | None:
         try:
             resp = await rwg.RewardServiceStub(rep.channel).Score(
-                rw.ScoreRequest(request_id=rid, items=chunk), timeout=self.deadline_s
+                rw.ScoreRequest(request_id=rid, items=chunk),
+                timeout=self.deadline_s,
+                metadata=logcontext.current(),
             )
             return list(resp.results)
         except grpc.aio.AioRpcError as e:
@@ -184,3 +192,44 @@ class RewardPool:
     async def close(self) -> None:
         for r in self.replicas:
             await r.channel.close()
+
+
+class LearnerClient:
+    """The learner's rank 0 as the coordinator calls it: one channel, the deadline on every call."""
+
+    def __init__(self, address: str, deadline: float, security: ClientSecurity | None = None):
+        self.channel = client_channel(address, security, _OPTIONS)
+        self.stub = lg.LearnerServiceStub(self.channel)
+        self.deadline = deadline
+
+    async def register_generator(self, replica_id: str, address: str) -> None:
+        req = lp.RegisterGeneratorRequest(address=address, replica_id=replica_id)
+        await self.stub.RegisterGenerator(req, timeout=self.deadline, metadata=logcontext.current())
+
+    def forget_soon(self, replica_id: str) -> None:
+        """Unregister a replica that failed, without waiting (called from a pool's callback)."""
+        req = lp.UnregisterGeneratorRequest(replica_id=replica_id)
+        asyncio.ensure_future(
+            self.stub.UnregisterGenerator(req, timeout=self.deadline, metadata=logcontext.current())
+        )
+
+    async def train_step(self, run_id: str, step: int, samples: list) -> lp.TrainStepResponse:
+        req = lp.TrainStepRequest(run_id=run_id, step=step, samples=samples)
+        return await self.stub.TrainStep(req, timeout=self.deadline, metadata=logcontext.current())
+
+    async def push_weights(self, version: int) -> lp.PushWeightsResponse:
+        return await self.stub.PushWeights(
+            lp.PushWeightsRequest(version=version), timeout=self.deadline, metadata=logcontext.current()
+        )
+
+    async def save_checkpoint(self, path: str, tag: str, client_state_json: str) -> lp.SaveCheckpointResponse:
+        req = lp.SaveCheckpointRequest(path=path, tag=tag, client_state_json=client_state_json)
+        return await self.stub.SaveCheckpoint(req, timeout=self.deadline, metadata=logcontext.current())
+
+    async def load_checkpoint(self, path: str, tag: str) -> lp.LoadCheckpointResponse:
+        return await self.stub.LoadCheckpoint(
+            lp.LoadCheckpointRequest(path=path, tag=tag), timeout=self.deadline
+        )
+
+    async def close(self) -> None:
+        await self.channel.close()

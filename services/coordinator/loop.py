@@ -29,13 +29,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from relayrl.common import logcontext
 from relayrl.common.v1 import common_pb2
 from relayrl.coordinator.advantages import advantages
-from relayrl.coordinator.clients import GeneratorPool, RewardPool
+from relayrl.coordinator.clients import GeneratorPool, LearnerClient, RewardPool
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.generator.v1 import generator_pb2 as g
 from relayrl.learner.v1 import learner_pb2 as lp
-from relayrl.learner.v1 import learner_pb2_grpc as lg
 from relayrl.reward.v1 import reward_pb2 as rw
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class Experiment:
         test_rows: list[dict],
         generators: GeneratorPool,
         rewards: RewardPool,
-        learner: lg.LearnerServiceStub,
+        learner: LearnerClient,
         on_record: Callable[[dict], None] | None = None,
     ):
         self.cfg = cfg
@@ -253,23 +253,26 @@ class Experiment:
         replica (DATA_LOSS otherwise), so a replica listed here holds exactly the learner's
         weights. Returns seconds and the number of replicas updated."""
         t0 = time.monotonic()
-        resp = await self.learner.PushWeights(
-            lp.PushWeightsRequest(version=self.version), timeout=self.deadline
-        )
+        resp = await self.learner.push_weights(self.version)
         return time.monotonic() - t0, len(resp.replica_ids)
 
     async def checkpoint(self) -> None:
         tag = f"step{self.pos.step}"
         state = json.dumps(asdict(self.pos))
-        await self.learner.SaveCheckpoint(
-            lp.SaveCheckpointRequest(
-                path=learner_checkpoint_path(self.run_dir), tag=tag, client_state_json=state
-            ),
-            timeout=self.deadline,
-        )
+        await self.learner.save_checkpoint(learner_checkpoint_path(self.run_dir), tag, state)
         (self.run_dir / "checkpoints" / "coordinator.json").write_text(
             json.dumps({"tag": tag, **asdict(self.pos)}) + "\n"
         )
+
+    async def resume(self, tag: str, records: list[dict]) -> None:
+        """Continue from the checkpoint ``tag``: the learner loads it, the data position, policy
+        version and metrics come back, and fresh generators get the checkpoint's weights."""
+        loaded = await self.learner.load_checkpoint(learner_checkpoint_path(self.run_dir), tag)
+        self.pos = Position(**json.loads(loaded.client_state_json))
+        self.version = loaded.policy_version
+        self.records = records
+        if self.version:
+            await self.push()  # fresh generators hold the initial weights
 
     def record(self, values: dict) -> None:
         rec = {"step": self.pos.step, "time": time.time(), **values}
@@ -289,6 +292,11 @@ class Experiment:
         batch, nxt = self.next_prompts(self.pos)
         pending = asyncio.ensure_future(self.rollout(batch))
         while self.pos.step < sched.steps and not self.stop_requested.is_set():
+            # This task's log lines and calls carry the run, the step under way and the policy
+            # version (the services log them too: one grep follows a step everywhere).
+            logcontext.RUN_ID.set(self.run_dir.name)
+            logcontext.STEP.set(str(self.pos.step + 1))
+            logcontext.VERSION.set(str(self.version))
             t_wait = time.monotonic()
             ro = await pending
             idle = time.monotonic() - t_wait
@@ -301,10 +309,7 @@ class Experiment:
             t0 = time.monotonic()
             train_metrics: dict[str, float] = {}
             if samples:
-                resp = await self.learner.TrainStep(
-                    lp.TrainStepRequest(run_id=self.run_dir.name, step=self.version + 1, samples=samples),
-                    timeout=self.deadline,
-                )
+                resp = await self.learner.train_step(self.run_dir.name, self.version + 1, samples)
                 self.version = resp.policy_version
                 m = resp.metrics
                 train_metrics = {

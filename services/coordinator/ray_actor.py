@@ -61,13 +61,13 @@ class ServiceHost:
         rank); returns its command. ``check_serve`` (service, serve section): refuse an open bind
         or unreadable certificates here, before a learner rank spends minutes starting."""
         if check_serve is not None:
-            from relayrl.common.serve_cli import check_access
+            from relayrl.common.security import SecurityError, server_security
             from relayrl.common.serving import ServeConfig
 
             try:
-                check_access(check_serve[0], ServeConfig.model_validate(check_serve[1]))
-            except SystemExit as e:  # an exit would end the actor; the driver wants the reason
-                raise RuntimeError(str(e)) from None
+                server_security(ServeConfig.model_validate(check_serve[1]))
+            except SecurityError as e:  # the driver wants the reason, on its own line
+                raise RuntimeError(f"relayrl serve {check_serve[0]}: {e}") from None
         Path(config_path).parent.mkdir(parents=True, exist_ok=True)
         Path(config_path).write_text(config_yaml)
         entry = [sys.executable, "-m", module] if module else None

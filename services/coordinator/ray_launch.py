@@ -31,8 +31,8 @@ from pathlib import Path
 
 from relayrl.common import config as cfg_mod
 from relayrl.coordinator.config import ExperimentConfig, RaySection
+from relayrl.coordinator.local_services import learner_section
 from relayrl.coordinator.ray_plan import GroupPlan, Slot, assign_ranks, needs, plan
-from relayrl.coordinator.run import Services, learner_section
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +54,18 @@ def init_ray(r: RaySection) -> None:
         ray.init(address=r.address, **kw)
 
 
-class RayServices(Services):
-    """The services of one run as Ray actors in placement groups (the ``Services`` interface:
-    ``start_embedded`` fills the addresses, ``stop`` tears everything down, idempotently)."""
+class RayServices:
+    """The services of one run as Ray actors in placement groups (a ``ServiceSet``: ``start``
+    fills the addresses, ``stop`` tears everything down, idempotently)."""
 
     resume_command = "relayrl launch ray --resume"
 
     def __init__(self, cfg: ExperimentConfig, run_dir: Path):
-        super().__init__(cfg, run_dir)
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.generators: dict[str, str] = {}
+        self.rewards: dict[str, str] = {}
+        self.learner = ""
         self.hosts: dict[str, object] = {}  # name -> actor handle
         self.ranks: list[str] = []  # learner host names, rank order
         self.pgs: list[tuple[GroupPlan, object]] = []
@@ -70,7 +74,7 @@ class RayServices(Services):
         self._stopping = threading.Event()
 
     # -- start ----------------------------------------------------------------------------------
-    def start_embedded(self, timeout: float | None = None) -> None:
+    def start(self, timeout: float | None = None) -> None:
         import ray
 
         c = self.cfg
@@ -296,7 +300,7 @@ class RayServices(Services):
 
     def stop(self) -> None:
         """Stop every process, kill the actors, remove the placement groups. Safe to call twice,
-        and from another thread while ``start_embedded`` is still starting things."""
+        and from another thread while ``start`` is still starting things."""
         import ray
         from ray.util.placement_group import placement_group_table, remove_placement_group
 

@@ -18,9 +18,14 @@ from pathlib import Path
 import grpc
 from relayrl.common.rpc import AlreadyExists, FailedPrecondition, ResourceExhausted
 from relayrl.coordinator import metrics
+from relayrl.coordinator.assets import prepare
 from relayrl.coordinator.clients import NoReplicaLeft
 from relayrl.coordinator.config import ExperimentConfig
+from relayrl.coordinator.drive import drive
+from relayrl.coordinator.local_services import LocalServices
+from relayrl.coordinator.progress import plot
 from relayrl.coordinator.runfolder import new_run_dir
+from relayrl.coordinator.service_set import DeployedServices, ServiceSet
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +65,9 @@ class Handle:
 
 class Registry:
     def __init__(self, services_factory: Callable | None = None, max_running: int | None = None) -> None:
-        """``services_factory(cfg, run_dir)`` builds what starts and stops the services of a run
-        without addresses (default ``run.Services``: local processes; ``relayrl launch ray``: Ray
-        actors). ``max_running``: experiments running at once (None: no limit)."""
+        """``services_factory(cfg, run_dir)`` builds the ``ServiceSet`` of a run without addresses
+        (default ``LocalServices``: local processes; ``relayrl launch ray``: Ray actors).
+        ``max_running``: experiments running at once (None: no limit)."""
         self.experiments: dict[str, Handle] = {}
         self.services_factory = services_factory
         self.max_running = max_running
@@ -101,10 +106,10 @@ class Registry:
         return handle
 
     async def _execute(self, h: Handle, resume: bool, on_record) -> None:
-        from relayrl.coordinator.assets import prepare
-        from relayrl.coordinator.run import Services, drive, plot
-
-        services = (self.services_factory or Services)(h.cfg, h.run_dir)
+        if h.cfg.services.embedded:
+            services: ServiceSet = (self.services_factory or LocalServices)(h.cfg, h.run_dir)
+        else:
+            services = DeployedServices(h.cfg, h.run_dir)
 
         def record(rec: dict) -> None:
             metrics.observe(h.run_id, rec)
@@ -118,8 +123,7 @@ class Registry:
         try:
             if not resume:
                 await asyncio.to_thread(prepare, h.cfg)  # tiny model / data when missing
-            if h.cfg.services.embedded:
-                await asyncio.to_thread(services.start_embedded)
+            await asyncio.to_thread(services.start)
             h.state = RUNNING
             await h.notify()
             exp = await drive(h.cfg, h.run_dir, services, resume, on_record=record, stop=h.stop)

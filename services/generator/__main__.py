@@ -1,6 +1,8 @@
-"""``python -m relayrl.generator`` / ``relayrl serve generator``: thin entrypoint."""
+"""``python -m relayrl.generator [flags]``: the same as ``relayrl serve generator [flags]``."""
 
-from relayrl.common.serve_cli import main
+import sys
+
+from relayrl.cli import main
 
 if __name__ == "__main__":
-    raise SystemExit(main(["generator"]))
+    raise SystemExit(main(["serve", "generator", *sys.argv[1:]]))

@@ -92,7 +92,7 @@ def _meta(name: str, dtype_enum: int, shape) -> ws.TensorMeta:
     return ws.TensorMeta(name, dtype, tuple(shape))
 
 
-def bucket_from_proto(b: generator_pb2.Bucket) -> ws.Bucket:
+def bucket_from_proto(b: common_pb2.Bucket) -> ws.Bucket:
     """A bucket whose tensors lie in order, aligned, without overlap, and fill it exactly."""
     if len(b.offsets) != len(b.tensors):
         raise InvalidRequest(f"bucket has {len(b.tensors)} tensors but {len(b.offsets)} offsets")

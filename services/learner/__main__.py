@@ -1,6 +1,8 @@
-"""``python -m relayrl.learner`` / ``relayrl serve learner``: thin entrypoint."""
+"""``python -m relayrl.learner [flags]``: the same as ``relayrl serve learner [flags]``."""
 
-from relayrl.common.serve_cli import main
+import sys
+
+from relayrl.cli import main
 
 if __name__ == "__main__":
-    raise SystemExit(main(["learner"]))
+    raise SystemExit(main(["serve", "learner", *sys.argv[1:]]))

@@ -13,6 +13,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from relayrl.common import logcontext
 from relayrl.common import weightsync as ws
 from relayrl.common.rpc import InvalidRequest, NotFound, Unavailable
 from relayrl.learner.control import Control
@@ -228,7 +229,8 @@ class LearnerCore:
             if op == "train":
                 req = learner_pb2.TrainStepRequest.FromString(payload)
                 samples = decode_samples(req, self.trainer.vocab_size, self.trainer.max_len, self.sft)
-                self.trainer.train_step(samples, cmd["max_tokens"])
+                with logcontext.bound(run_id=req.run_id or None, step=req.step):
+                    self.trainer.train_step(samples, cmd["max_tokens"])
             elif op == "push":
                 self._push(cmd["bucket_bytes"], cmd["dtype"], None)
             elif op == "check":

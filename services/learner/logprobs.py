@@ -7,7 +7,8 @@ final hidden states ``[batch, tokens, hidden]`` are taken at the positions that 
 completion tokens, flattened, and cut into chunks of rows; each chunk goes through the LM head,
 is reduced to those two numbers, and its logits are dropped. In backward each chunk's logits are
 recomputed from its hidden states (activation checkpointing), so at most one chunk of logits
-exists at a time, forward or backward. TRL, verl and Liger do the same for the same reason.
+exists at a time, forward or backward. TRL, verl and Liger do the same for the same reason. When
+a micro-batch fits in one chunk nothing is recomputed (there is no memory to save).
 
 Values equal the full computation's: ``log_softmax`` is ``x - logsumexp(x)`` either way, in
 float32 (tests/unit/test_logprobs.py compares them, gradients included).
@@ -67,12 +68,14 @@ def token_logprobs(
     and per-token entropies, computed ``rows_per_chunk`` tokens at a time."""
     b, t, h = hidden.shape
     flat_h, flat_t = hidden.reshape(b * t, h), targets.reshape(b * t)
-    grad = torch.is_grad_enabled() and hidden.requires_grad
+    # Recomputing in backward bounds memory to one chunk; when everything fits in one chunk
+    # there is nothing to bound, and the recomputation would only cost time.
+    recompute = torch.is_grad_enabled() and hidden.requires_grad and b * t > rows_per_chunk
     picked, entropy = [], []
     for i in range(0, b * t, rows_per_chunk):
         args = (head, flat_h[i : i + rows_per_chunk], flat_t[i : i + rows_per_chunk], temperature)
         # Recompute the chunk's logits in backward instead of keeping them: that is the point.
-        lp, ent = checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args)
+        lp, ent = checkpoint(_chunk, *args, use_reentrant=False) if recompute else _chunk(*args)
         picked.append(lp)
         entropy.append(ent)
     if not picked:  # an empty batch

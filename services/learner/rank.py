@@ -10,6 +10,7 @@ import os
 import socket
 
 from relayrl.common import config as cfg_mod
+from relayrl.common import logcontext
 from relayrl.learner.config import LearnerConfig
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="resolved learner config (YAML)")
     ap.add_argument("--port-file")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logcontext.configure(logging.INFO)
     cfg = cfg_mod.load(LearnerConfig, args.config)
     backend = init_distributed()
     import torch.distributed as dist

@@ -15,6 +15,7 @@ import socket
 from collections.abc import Awaitable, Callable
 
 import grpc
+from relayrl.common import logcontext
 from relayrl.common import weightsync as ws
 from relayrl.common.rpc import DataLoss, FailedPrecondition, Unavailable
 from relayrl.common.security import client_channel
@@ -169,8 +170,11 @@ class WeightSync:
         plan = plan_to_proto(ws.plan_buckets(self._metas(self.dtype), bucket_bytes))
         req = g.UpdateWeightsRequest(version=version, plan=plan, transport_only=transport_only)
         rids = sorted(group.members)
+        with logcontext.bound(version=version):
+            meta = logcontext.current()
         calls = [
-            asyncio.ensure_future(self._stub(r).UpdateWeights(req, timeout=self.deadline_s)) for r in rids
+            asyncio.ensure_future(self._stub(r).UpdateWeights(req, timeout=self.deadline_s, metadata=meta))
+            for r in rids
         ]
         try:
             sent, sums = await collective(group)

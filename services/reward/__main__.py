@@ -1,6 +1,8 @@
-"""``python -m relayrl.reward`` / ``relayrl serve reward``: thin entrypoint."""
+"""``python -m relayrl.reward [flags]``: the same as ``relayrl serve reward [flags]``."""
 
-from relayrl.common.serve_cli import main
+import sys
+
+from relayrl.cli import main
 
 if __name__ == "__main__":
-    raise SystemExit(main(["reward"]))
+    raise SystemExit(main(["serve", "reward", *sys.argv[1:]]))

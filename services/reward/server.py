@@ -12,9 +12,10 @@ from relayrl.common.grpc_server import (
     start_metrics_server,
 )
 from relayrl.reward.config import RewardConfig
-from relayrl.reward.pool import PluginError, ScoringPool
+from relayrl.reward.pool import ScoringPool
 from relayrl.reward.servicer import RewardServicer
 from relayrl.reward.v1 import reward_pb2
+from relayrl.reward.worker import PluginError
 
 logger = logging.getLogger(__name__)
 DESCRIPTOR = reward_pb2.DESCRIPTOR.services_by_name["RewardService"]

@@ -94,13 +94,14 @@ def test_grpo_raises_heldout_accuracy_then_resumes(workspace):
 def _programmatic(root: Path, exp: Path, overrides: list[str], on_record):
     """Run the coordinator in this process against embedded services the test can kill."""
     from relayrl.coordinator.config import load_experiment
-    from relayrl.coordinator.run import Services, drive
+    from relayrl.coordinator.drive import drive
+    from relayrl.coordinator.local_services import LocalServices
     from relayrl.coordinator.runfolder import new_run_dir
 
     cfg = load_experiment(exp, overrides)
     run_dir = new_run_dir(cfg)
-    services = Services(cfg, run_dir)
-    services.start_embedded()
+    services = LocalServices(cfg, run_dir)
+    services.start()
     return (
         cfg,
         run_dir,

@@ -305,10 +305,10 @@ def spec(name: str, shape=(4,), dtype=c.DTYPE_FLOAT32) -> c.TensorSpec:
     return c.TensorSpec(name=name, dtype=dtype, shape=shape)
 
 
-def plan(*buckets: g.Bucket, version: int = 1) -> g.UpdateWeightsRequest:
+def plan(*buckets: c.Bucket, version: int = 1) -> g.UpdateWeightsRequest:
     if not buckets:
-        buckets = (g.Bucket(tensors=[spec("a"), spec("b", (2,))], offsets=[0, 64], nbytes=72),)
-    return g.UpdateWeightsRequest(version=version, plan=g.BucketPlan(buckets=buckets))
+        buckets = (c.Bucket(tensors=[spec("a"), spec("b", (2,))], offsets=[0, 64], nbytes=72),)
+    return g.UpdateWeightsRequest(version=version, plan=c.BucketPlan(buckets=buckets))
 
 
 async def test_health_and_status_follow_a_weight_swap(svc):
@@ -338,18 +338,18 @@ async def test_refused_swap_is_invalid_argument_and_readiness_returns(svc):
 @pytest.mark.parametrize(
     ("bucket", "problem"),
     [
-        (g.Bucket(tensors=[spec("a"), spec("b")], offsets=[0], nbytes=80), "2 tensors but 1 offsets"),
-        (g.Bucket(tensors=[spec("a"), spec("b")], offsets=[0, 16], nbytes=80), "b: offset 16 is unaligned"),
-        (g.Bucket(tensors=[spec("a"), spec("b")], offsets=[0, 0], nbytes=16), "b: offset 0 is unaligned or overlaps"),
-        (g.Bucket(tensors=[spec("a"), spec("b")], offsets=[0, 64], nbytes=70), "bucket nbytes 70 does not match its tensors (they end at 80)"),
-        (g.Bucket(tensors=[spec("a")], offsets=[0], nbytes=1 << 40), "bucket nbytes 1099511627776 does not match"),
-        (g.Bucket(tensors=[spec("a", shape=(-4,))], offsets=[0], nbytes=0), "a: negative dimension"),
-        (g.Bucket(tensors=[spec("a", dtype=c.DTYPE_UNSPECIFIED)], offsets=[0], nbytes=16), "a: dtype missing"),
+        (c.Bucket(tensors=[spec("a"), spec("b")], offsets=[0], nbytes=80), "2 tensors but 1 offsets"),
+        (c.Bucket(tensors=[spec("a"), spec("b")], offsets=[0, 16], nbytes=80), "b: offset 16 is unaligned"),
+        (c.Bucket(tensors=[spec("a"), spec("b")], offsets=[0, 0], nbytes=16), "b: offset 0 is unaligned or overlaps"),
+        (c.Bucket(tensors=[spec("a"), spec("b")], offsets=[0, 64], nbytes=70), "bucket nbytes 70 does not match its tensors (they end at 80)"),
+        (c.Bucket(tensors=[spec("a")], offsets=[0], nbytes=1 << 40), "bucket nbytes 1099511627776 does not match"),
+        (c.Bucket(tensors=[spec("a", shape=(-4,))], offsets=[0], nbytes=0), "a: negative dimension"),
+        (c.Bucket(tensors=[spec("a", dtype=c.DTYPE_UNSPECIFIED)], offsets=[0], nbytes=16), "a: dtype missing"),
         (None, "plan has no buckets"),
     ],
 )  # fmt: skip
 async def test_bad_weight_plan_is_invalid_argument(svc, bucket, problem):
-    request = plan(bucket) if bucket is not None else g.UpdateWeightsRequest(version=1, plan=g.BucketPlan())
+    request = plan(bucket) if bucket is not None else g.UpdateWeightsRequest(version=1, plan=c.BucketPlan())
     err = await error_of(svc.stub.UpdateWeights(request))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and problem in err.details()
     assert not svc.engine.buckets and await ready_state(svc) == SERVING

@@ -138,7 +138,7 @@ def test_cli_parser_does_not_import_ray():
 
 def test_learner_checkpoints_go_beside_the_run_folder_on_resume_too(tmp_path):
     from relayrl.common.config import dump_yaml
-    from relayrl.coordinator.run import learner_section
+    from relayrl.coordinator.local_services import learner_section
 
     run_dir = tmp_path / "runs" / "exp-1"
     cfg = _cfg()

@@ -23,10 +23,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 from relayrl.common.grpc_server import start
 from relayrl.reward.config import RewardConfig
-from relayrl.reward.pool import PluginError, ScoringPool
+from relayrl.reward.pool import ScoringPool
 from relayrl.reward.server import SERVICE, build
 from relayrl.reward.v1 import reward_pb2 as r
 from relayrl.reward.v1 import reward_pb2_grpc
+from relayrl.reward.worker import PluginError
 
 from tests.procs import service
 

@@ -103,31 +103,15 @@ class InitWeightSyncResponse(_message.Message):
     num_ranks: int
     def __init__(self, replica_id: _Optional[str] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ...) -> None: ...
 
-class Bucket(_message.Message):
-    __slots__ = ("tensors", "nbytes", "offsets")
-    TENSORS_FIELD_NUMBER: _ClassVar[int]
-    NBYTES_FIELD_NUMBER: _ClassVar[int]
-    OFFSETS_FIELD_NUMBER: _ClassVar[int]
-    tensors: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorSpec]
-    nbytes: int
-    offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., nbytes: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
-
-class BucketPlan(_message.Message):
-    __slots__ = ("buckets",)
-    BUCKETS_FIELD_NUMBER: _ClassVar[int]
-    buckets: _containers.RepeatedCompositeFieldContainer[Bucket]
-    def __init__(self, buckets: _Optional[_Iterable[_Union[Bucket, _Mapping]]] = ...) -> None: ...
-
 class UpdateWeightsRequest(_message.Message):
     __slots__ = ("version", "plan", "transport_only")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_ONLY_FIELD_NUMBER: _ClassVar[int]
     version: int
-    plan: BucketPlan
+    plan: _common_pb2.BucketPlan
     transport_only: bool
-    def __init__(self, version: _Optional[int] = ..., plan: _Optional[_Union[BucketPlan, _Mapping]] = ..., transport_only: _Optional[bool] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., plan: _Optional[_Union[_common_pb2.BucketPlan, _Mapping]] = ..., transport_only: _Optional[bool] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("version", "swap_seconds", "nbytes", "bucket_checksums")

@@ -191,9 +191,3 @@ def launch_learner(config, args: argparse.Namespace) -> int:
     ]
     logging.getLogger(__name__).info("launching: %s", " ".join(cmd))
     os.execv(sys.executable, cmd)
-
-
-def main(argv: list[str]) -> int:
-    from relayrl.cli import main as cli_main
-
-    return cli_main(["serve", *argv])

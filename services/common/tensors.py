@@ -5,6 +5,7 @@ their servicer, with validation)."""
 from __future__ import annotations
 
 from relayrl.common import weightsync as ws
+from relayrl.common.cudaipc import FIELDS, Shared
 from relayrl.common.v1 import common_pb2
 
 DTYPE_TO_PROTO = {
@@ -33,3 +34,11 @@ def plan_to_proto(buckets: list[ws.Bucket]) -> common_pb2.BucketPlan:
             for b in buckets
         ]
     )
+
+
+def shared_to_proto(s: Shared) -> common_pb2.CudaIpcBuffer:
+    return common_pb2.CudaIpcBuffer(**{f: getattr(s, f) for f in FIELDS})
+
+
+def shared_from_proto(p: common_pb2.CudaIpcBuffer) -> Shared:
+    return Shared(**{f: getattr(p, f) for f in FIELDS})

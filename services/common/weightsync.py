@@ -107,12 +107,24 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def pack(bucket: Bucket, tensors: Sequence[torch.Tensor], device: str | torch.device = "cpu") -> torch.Tensor:
-    """``tensors`` (same order as ``bucket.tensors``) as one flat uint8 buffer: a new buffer, or,
-    for a lone contiguous tensor already on ``device``, a view of its memory (no copy)."""
+def pack(
+    bucket: Bucket,
+    tensors: Sequence[torch.Tensor],
+    device: str | torch.device = "cpu",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``tensors`` (same order as ``bucket.tensors``) as one flat uint8 buffer: ``out`` when given
+    (a shared-memory or shared CUDA buffer of ``bucket.nbytes``), else a new buffer, or, for a
+    lone contiguous tensor already on ``device``, a view of its memory (no copy)."""
     import torch
 
-    if len(tensors) == 1:
+    if out is not None:
+        if out.numel() != bucket.nbytes or out.dtype != torch.uint8:
+            raise ValueError(
+                f"out holds {out.numel()} {out.dtype} elements, the bucket {bucket.nbytes} bytes"
+            )
+        buf = out
+    elif len(tensors) == 1:
         (t,), (meta,) = tensors, bucket.tensors
         if (
             t.is_contiguous()
@@ -121,13 +133,18 @@ def pack(bucket: Bucket, tensors: Sequence[torch.Tensor], device: str | torch.de
             and dtype_name(t.dtype) == meta.dtype
         ):
             return t.detach().reshape(-1).view(torch.uint8)
-    buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+    if out is None:
+        buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+    end = 0
     for meta, off, t in zip(bucket.tensors, bucket.offsets, tensors, strict=True):
         if tuple(t.shape) != meta.shape or dtype_name(t.dtype) != meta.dtype:
             raise ValueError(
                 f"{meta.name}: tensor is {dtype_name(t.dtype)}{tuple(t.shape)}, plan says {meta.dtype}{meta.shape}"
             )
+        buf[end:off].zero_()  # alignment padding: zeros, so a bucket's checksum depends on its tensors only
         buf[off : off + meta.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        end = off + meta.nbytes
+    buf[end:].zero_()
     return buf
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Protocol
 
 from relayrl.common import weightsync as ws
+from relayrl.common.cudaipc import Shared
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,36 @@ class EngineStatus:
     swapping: bool
     weight_sync_open: bool
     weight_sync_ranks: int
+    host_id: str = ""
+    device: str = "cpu"
+    gpu_uuids: tuple[str, ...] = ()
+    transport: str = ""  # the open weight sync's: "gloo", "nccl", "shm", "ipc"; "" when none
+
+
+@dataclass(frozen=True)
+class SyncSpec:
+    """How the learner will send weights (``InitWeightSync``, validated)."""
+
+    transport: str  # "gloo" | "nccl" (a group) | "shm" | "ipc" (a probe to open)
+    master_addr: str = ""
+    master_port: int = 0
+    world_size: int = 0
+    rank: int = 0
+    group_name: str = "relayrl-weights"
+    timeout_s: float = 300.0
+    shm_probe: str = ""
+    ipc_probe: Shared | None = None
+    probe_checksum: int = 0
+
+
+@dataclass(frozen=True)
+class BucketSource:
+    """Where an update's buckets are when the transport is not a group: a shared-memory segment
+    and each bucket's offset in it, or one shared CUDA buffer per bucket."""
+
+    shm_segment: str = ""
+    shm_offsets: tuple[int, ...] = ()
+    ipc: tuple[Shared, ...] = ()
 
 
 class GenerationEngine(Protocol):
@@ -91,18 +122,13 @@ class GenerationEngine(Protocol):
     def generate(
         self, request_id: str, prompts: Sequence[PromptIn], spec: SamplingSpec
     ) -> AsyncIterator[SampleOut]: ...
-    async def open_weight_sync(
-        self,
-        master_addr: str,
-        master_port: int,
-        world_size: int,
-        rank: int,
-        backend: str,
-        group_name: str,
-        timeout_s: float,
-    ) -> tuple[int, int]: ...
+    async def open_weight_sync(self, spec: SyncSpec) -> tuple[int, int]: ...
     async def update_weights(
-        self, version: int, buckets: list[ws.Bucket], transport_only: bool = False
+        self,
+        version: int,
+        buckets: list[ws.Bucket],
+        transport_only: bool = False,
+        source: BucketSource | None = None,
     ) -> tuple[int, float, list[int]]: ...
     async def close_weight_sync(self) -> None: ...
     async def load_weights(

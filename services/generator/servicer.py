@@ -9,102 +9,24 @@ from collections.abc import Awaitable, Callable
 
 from relayrl.common import weightsync as ws
 from relayrl.common.rpc import InvalidRequest, ResourceExhausted, bounded, map_errors
-from relayrl.common.tensors import DTYPE_NAMES
 from relayrl.common.v1 import common_pb2
 from relayrl.generator import metrics
 from relayrl.generator.config import GeneratorConfig
-from relayrl.generator.engine import GenerationEngine, PromptIn, SampleOut, SamplingSpec
+from relayrl.generator.engine import (
+    GenerationEngine,
+    PromptIn,
+    SamplingSpec,
+)
 from relayrl.generator.v1 import generator_pb2, generator_pb2_grpc
-
-_FINISH = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-}
-
-
-MAX_STOPS = 64
-"""Most stop strings (and stop token ids) a request may give."""
-MAX_STOP_CHARS = 256
-"""Longest stop string (each is searched in the text after every token)."""
-MAX_SYNC_TIMEOUT_S = 86400.0
-"""Longest InitWeightSync timeout accepted (a day)."""
-MAX_TEMPERATURE = 100.0
-"""Highest sampling temperature accepted (engines may allow less: vLLM stops at 2)."""
-
-
-def sampling_from_proto(p: generator_pb2.SamplingParams) -> SamplingSpec:
-    """Apply the contract's defaults and bounds; errors name the field."""
-    if p.n < 1:
-        raise InvalidRequest("sampling.n must be at least 1")
-    temperature = p.temperature if p.HasField("temperature") else 1.0
-    top_p = p.top_p if p.HasField("top_p") else 1.0
-    if not 0 <= temperature <= MAX_TEMPERATURE:  # also refuses NaN
-        raise InvalidRequest(f"sampling.temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature}")
-    if not 0 < top_p <= 1:
-        raise InvalidRequest(f"sampling.top_p must be in (0, 1], got {top_p}")
-    if p.top_k < -1:
-        raise InvalidRequest(f"sampling.top_k must be -1, 0 (off) or positive, got {p.top_k}")
-    if len(p.stop) > MAX_STOPS or len(p.stop_token_ids) > MAX_STOPS:
-        raise InvalidRequest(
-            f"sampling.stop and sampling.stop_token_ids take at most {MAX_STOPS} values each"
-        )
-    if any(not 0 < len(s) <= MAX_STOP_CHARS for s in p.stop):
-        raise InvalidRequest(f"sampling.stop strings must have 1 to {MAX_STOP_CHARS} characters")
-    return SamplingSpec(
-        n=p.n,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=p.top_k if p.top_k > 0 else -1,
-        max_tokens=p.max_tokens,
-        stop=tuple(p.stop),
-        stop_token_ids=tuple(p.stop_token_ids),
-        seed=p.seed if p.HasField("seed") else None,
-        include_stop_str_in_output=p.include_stop_str_in_output,
-        ignore_eos=p.ignore_eos,
-    )
-
-
-def sample_to_proto(s: SampleOut) -> common_pb2.Sample:
-    return common_pb2.Sample(
-        prompt_id=s.prompt_id,
-        sample_index=s.sample_index,
-        prompt_token_ids=s.prompt_token_ids,
-        completion_token_ids=s.token_ids,
-        logprobs=s.logprobs,
-        finish_reason=_FINISH[s.finish_reason],
-        policy_version=s.policy_version,
-        # A single span is implied by policy_version; spans are only sent when a swap split it.
-        version_spans=[common_pb2.VersionSpan(version=v, start=a, end=b) for v, a, b in s.version_spans]
-        if len(s.version_spans) > 1
-        else [],
-        replica_id=s.replica_id,
-        text=s.text,
-    )
-
-
-def _meta(name: str, dtype_enum: int, shape) -> ws.TensorMeta:
-    dtype = DTYPE_NAMES.get(dtype_enum)
-    if dtype is None:
-        raise InvalidRequest(f"{name}: dtype missing or unsupported")
-    if any(d < 0 for d in shape):
-        raise InvalidRequest(f"{name}: negative dimension in shape {tuple(shape)}")
-    return ws.TensorMeta(name, dtype, tuple(shape))
-
-
-def bucket_from_proto(b: common_pb2.Bucket) -> ws.Bucket:
-    """A bucket whose tensors lie in order, aligned, without overlap, and fill it exactly."""
-    if len(b.offsets) != len(b.tensors):
-        raise InvalidRequest(f"bucket has {len(b.tensors)} tensors but {len(b.offsets)} offsets")
-    metas = tuple(_meta(t.name, t.dtype, t.shape) for t in b.tensors)
-    end = 0
-    for m, off in zip(metas, b.offsets, strict=True):
-        if off % ws.ALIGN or off < end:
-            raise InvalidRequest(f"{m.name}: offset {off} is unaligned or overlaps the previous tensor")
-        end = off + m.nbytes
-    if end != b.nbytes:
-        raise InvalidRequest(f"bucket nbytes {b.nbytes} does not match its tensors (they end at {end})")
-    return ws.Bucket(metas, tuple(b.offsets), b.nbytes)
+from relayrl.generator.wire import (
+    TRANSPORT_PROTO,
+    bucket_from_proto,
+    sample_to_proto,
+    sampling_from_proto,
+    source_from_proto,
+    sync_spec_from_proto,
+    tensor_meta,
+)
 
 
 class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
@@ -200,37 +122,21 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             swapping=st.swapping,
             weight_sync_open=st.weight_sync_open,
             weight_sync_ranks=st.weight_sync_ranks,
+            host_id=st.host_id,
+            device=st.device,
+            gpu_uuids=st.gpu_uuids,
+            weight_transport=TRANSPORT_PROTO.get(st.transport, generator_pb2.WEIGHT_TRANSPORT_UNSPECIFIED),
         )
 
     @map_errors
     async def InitWeightSync(self, request, context):
-        if not request.master_addr or not request.master_port:
-            raise InvalidRequest("master_addr and master_port are required")
-        if len(request.master_addr) > 255:
-            raise InvalidRequest("master_addr takes at most 255 characters")
-        if request.master_port > 65535:
-            raise InvalidRequest(f"master_port must be 1-65535, got {request.master_port}")
-        if request.backend not in ("", "gloo", "nccl"):
-            raise InvalidRequest(
-                f"backend must be 'nccl', 'gloo' or empty, got {bounded(request.backend, 40)!r}"
-            )
-        if not 0 <= request.timeout_seconds <= MAX_SYNC_TIMEOUT_S:  # also refuses NaN
-            raise InvalidRequest(
-                f"timeout_seconds must be in [0, {MAX_SYNC_TIMEOUT_S:g}], got {request.timeout_seconds}"
-            )
-        if len(request.group_name) > 128:
-            raise InvalidRequest("group_name takes at most 128 characters")
-        rank, n = await self.engine.open_weight_sync(
-            request.master_addr,
-            request.master_port,
-            request.world_size,
-            request.rank,
-            request.backend,
-            request.group_name or "relayrl-weights",
-            request.timeout_seconds or 300.0,
-        )
+        spec = sync_spec_from_proto(request, self.engine.status().device)
+        rank, n = await self.engine.open_weight_sync(spec)
         return generator_pb2.InitWeightSyncResponse(
-            replica_id=self.engine.status().replica_id, rank=rank, num_ranks=n
+            replica_id=self.engine.status().replica_id,
+            rank=rank,
+            num_ranks=n,
+            transport=TRANSPORT_PROTO[spec.transport],
         )
 
     async def _swapping(self, fn):
@@ -250,13 +156,14 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         buckets = [bucket_from_proto(b) for b in request.plan.buckets]
         if not buckets:
             raise InvalidRequest("plan has no buckets")
+        source = source_from_proto(request, len(buckets))
         if request.transport_only:  # no swap: readiness and weights stay as they are
             nbytes, secs, sums = await self.engine.update_weights(
-                request.version, buckets, transport_only=True
+                request.version, buckets, transport_only=True, source=source
             )
         else:
             nbytes, secs, sums = await self._swapping(
-                lambda: self.engine.update_weights(request.version, buckets)
+                lambda: self.engine.update_weights(request.version, buckets, source=source)
             )
         return generator_pb2.UpdateWeightsResponse(
             version=request.version, swap_seconds=secs, nbytes=nbytes, bucket_checksums=sums
@@ -277,7 +184,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             if i == 0:
                 version, declared = msg.version, msg.num_tensors
             t = msg.tensor
-            meta = _meta(t.name, t.dtype, t.shape)
+            meta = tensor_meta(t.name, t.dtype, t.shape)
             if t.name in done:
                 raise InvalidRequest(f"{t.name}: sent twice")
             first, buf = partial.setdefault(t.name, (meta, bytearray()))

@@ -15,21 +15,33 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from relayrl.common import weightsync as ws
+from relayrl.common.placement import host_id
 from relayrl.common.rpc import FailedPrecondition, InvalidRequest, Unavailable
 from relayrl.generator.config import GeneratorConfig
 from relayrl.generator.continuation import Partial, SwapGate, straddling_stop
-from relayrl.generator.engine import EngineStatus, PromptIn, SampleOut, SamplingSpec, checkpoint_tensors
+from relayrl.generator.engine import (
+    BucketSource,
+    EngineStatus,
+    PromptIn,
+    SampleOut,
+    SamplingSpec,
+    SyncSpec,
+    checkpoint_tensors,
+)
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _SyncGroup:
-    rank: int
-    num_ranks: int
+class _Sync:
+    """The open weight sync: its transport, and the ranks a group transport gave the workers."""
+
+    transport: str
+    rank: int = 0
+    num_ranks: int = 0
 
 
 class VLLMEngine:
@@ -42,7 +54,8 @@ class VLLMEngine:
         self._gate = SwapGate()
         self._swap_lock = asyncio.Lock()  # one swap at a time (the gate orders swaps and requests)
         self._weights_broken = False
-        self._group: _SyncGroup | None = None
+        self._sync: _Sync | None = None
+        self._gpu_uuids: tuple[str, ...] = ()
         self._stats = {"running": 0, "waiting": 0}
         self._llm = None
         self._tokenizer = None
@@ -78,10 +91,11 @@ class VLLMEngine:
         mc = self._llm.model_config
         self.max_model_len = mc.max_model_len
         self.vocab_size = mc.get_vocab_size()
+        self._gpu_uuids = tuple(u for u in await self._llm.collective_rpc("relayrl_identity") if u)
 
     async def shutdown(self) -> None:
         if self._llm is not None:
-            if self._group is not None:
+            if self._sync is not None:
                 await self.close_weight_sync()
             llm, self._llm = self._llm, None
             llm.shutdown()
@@ -100,8 +114,12 @@ class VLLMEngine:
             max_model_len=self.max_model_len,
             ready=self.ready and not self._gate.swapping,
             swapping=self._gate.swapping,
-            weight_sync_open=self._group is not None,
+            weight_sync_open=self._sync is not None,
             weight_sync_ranks=self._num_workers,
+            host_id=host_id(),
+            device="cuda" if self._gpu_uuids else "cpu",
+            gpu_uuids=self._gpu_uuids,
+            transport=self._sync.transport if self._sync else "",
         )
 
     # -- prompts ---------------------------------------------------------------------------
@@ -299,55 +317,93 @@ class VLLMEngine:
         )
 
     # -- weights ---------------------------------------------------------------------------
-    async def open_weight_sync(
-        self, master_addr, master_port, world_size, rank, backend, group_name, timeout_s
-    ):
-        if self._group is not None:
-            raise FailedPrecondition("a weight-sync group is already open; close it first")
-        if rank < 1 or rank + self._num_workers > world_size:
-            raise InvalidRequest(
-                f"rank {rank} with {self._num_workers} worker(s) does not fit world_size {world_size} (rank 0 is the learner)"
+    async def open_weight_sync(self, spec: SyncSpec) -> tuple[int, int]:
+        if self._sync is not None:
+            raise FailedPrecondition("weight sync is open already; close it first")
+        if spec.transport in ("gloo", "nccl"):
+            if spec.rank < 1 or spec.rank + self._num_workers > spec.world_size:
+                raise InvalidRequest(
+                    f"rank {spec.rank} with {self._num_workers} worker(s) does not fit world_size "
+                    f"{spec.world_size} (rank 0 is the learner)"
+                )
+            args = (
+                spec.master_addr,
+                spec.master_port,
+                spec.world_size,
+                spec.rank,
+                spec.transport,
+                spec.timeout_s,
             )
-        backend = backend or ws.default_backend("cuda" if has_cuda() else "cpu")
-        await self._llm.collective_rpc(
-            "relayrl_open_group",
-            args=(master_addr, master_port, world_size, rank, backend, timeout_s, group_name),
-        )
-        self._group = _SyncGroup(rank=rank, num_ranks=self._num_workers)
-        return rank, self._num_workers
+            await self._llm.collective_rpc("relayrl_open_group", args=(*args, spec.group_name))
+            self._sync = _Sync(spec.transport, spec.rank, self._num_workers)
+            return spec.rank, self._num_workers
+        try:  # every worker opens the probe: a transport that cannot work fails here, not at a push
+            if spec.transport == "shm":
+                await self._llm.collective_rpc(
+                    "relayrl_probe_shm", args=(spec.shm_probe, spec.probe_checksum)
+                )
+            else:
+                probe = asdict(spec.ipc_probe)
+                await self._llm.collective_rpc("relayrl_probe_ipc", args=(probe, spec.probe_checksum))
+        except Exception as e:
+            raise FailedPrecondition(f"{spec.transport} cannot reach this replica: {e}") from None
+        self._sync = _Sync(spec.transport)
+        return 0, self._num_workers
 
     async def close_weight_sync(self) -> None:
-        if self._group is not None:
-            self._group = None
-            await self._llm.collective_rpc("relayrl_close_group")
+        if self._sync is not None:
+            transport, self._sync = self._sync.transport, None
+            if transport in ("gloo", "nccl"):
+                await self._llm.collective_rpc("relayrl_close_group")
 
     def _check_version(self, version: int) -> None:
         if version <= self.version:
             raise FailedPrecondition(f"version {version} is not newer than the replica's {self.version}")
 
     async def update_weights(
-        self, version: int, buckets: list[ws.Bucket], transport_only: bool = False
+        self,
+        version: int,
+        buckets: list[ws.Bucket],
+        transport_only: bool = False,
+        source: BucketSource | None = None,
     ) -> tuple[int, float, list[int]]:
-        """Receive ``buckets`` over the open group and switch to ``version`` (or, with
-        ``transport_only``, receive and discard them: the weights and version stay)."""
+        """Take ``buckets`` over the open weight sync and switch to ``version`` (or, with
+        ``transport_only``, take and discard them: the weights and version stay). Over a group
+        the learner broadcasts them; over SHM or IPC ``source`` says where they are."""
         from relayrl.generator.worker_ext import plan_to_wire
 
-        if self._group is None:
-            raise FailedPrecondition("no weight-sync group is open (InitWeightSync first)")
+        if self._sync is None:
+            raise FailedPrecondition("weight sync is not open (InitWeightSync first)")
+        grouped = self._sync.transport in ("gloo", "nccl")
+        if grouped != (source is None):
+            raise InvalidRequest(f"the open weight sync is {self._sync.transport}: buckets must come over it")
+        plan = plan_to_wire(buckets)
+        if source is None:
+            method, where = "relayrl_receive", ()
+        elif self._sync.transport == "shm" and source.shm_segment:
+            if len(source.shm_offsets) != len(buckets):
+                raise InvalidRequest(f"{len(source.shm_offsets)} shm offsets for {len(buckets)} buckets")
+            method, where = "relayrl_read_shm", (source.shm_segment, list(source.shm_offsets))
+        elif self._sync.transport == "ipc" and source.ipc:
+            if len(source.ipc) != len(buckets):
+                raise InvalidRequest(f"{len(source.ipc)} IPC buffers for {len(buckets)} buckets")
+            method, where = "relayrl_read_ipc", ([asdict(x) for x in source.ipc],)
+        else:
+            raise InvalidRequest(
+                f"the open weight sync is {self._sync.transport}: the request names no {self._sync.transport} buffers"
+            )
         if transport_only:
             t0 = time.monotonic()
-            nbytes, sums = (
-                await self._llm.collective_rpc("relayrl_receive", args=(plan_to_wire(buckets), False))
-            )[0]
+            nbytes, sums = (await self._llm.collective_rpc(method, args=(plan, *where, False)))[0]
             return int(nbytes), time.monotonic() - t0, list(sums)
         problems = ws.check_plan([t for b in buckets for t in b.tensors], self._expected, self._optional)
         stale = version <= self.version
         if problems or stale:
-            # Drain the broadcast so the learner is not left blocked, then refuse it.
-            await self._llm.collective_rpc("relayrl_receive", args=(plan_to_wire(buckets), False))
+            if grouped:  # drain the broadcast so the learner is not left blocked, then refuse it
+                await self._llm.collective_rpc(method, args=(plan, *where, False))
             self._check_version(version)
             raise InvalidRequest("weight plan does not match the model: " + "; ".join(problems))
-        return await self._swap_in(version, "relayrl_receive", (plan_to_wire(buckets), True))
+        return await self._swap_in(version, method, (plan, *where, True))
 
     async def load_weights(
         self, version: int, items: list[tuple[str, str, list[int], bytes]]

@@ -18,6 +18,9 @@ from collections.abc import Iterator
 
 import torch
 from relayrl.common import weightsync as ws
+from relayrl.common.cudaipc import Shared, open_shared
+from relayrl.common.placement import gpu_uuid
+from relayrl.common.shm import Segment
 
 logger = logging.getLogger(__name__)
 
@@ -77,24 +80,74 @@ class WeightSyncExtension:
             except Exception:  # already broken groups cannot always shut down cleanly
                 logger.debug("weight-sync group shutdown failed", exc_info=True)
 
+    def relayrl_identity(self) -> str:
+        """The UUID of this worker's GPU ("" on CPU): the learner's choice of transport needs it."""
+        device = self._relayrl_model_device()
+        return gpu_uuid(device.index or 0) if device.type == "cuda" else ""
+
+    def relayrl_probe_shm(self, segment: str, checksum: int) -> None:
+        """Open the learner's probe segment and check the value it holds (SHM can work)."""
+        seg = Segment.attach(segment)
+        try:
+            got = int.from_bytes(bytes(seg.view()[:8].tolist()), "little")
+        finally:
+            seg.close()
+        if got != checksum:
+            raise ValueError(f"shared-memory probe {segment} holds {got}, expected {checksum}")
+
+    def relayrl_probe_ipc(self, shared: dict, checksum: int) -> None:
+        """Open the learner's probe buffer on this worker's GPU and check its value (IPC can work)."""
+        buf = open_shared(Shared(**shared), self._relayrl_model_device().index or 0)
+        got = int.from_bytes(bytes(buf[:8].cpu().tolist()), "little")
+        del buf
+        if got != checksum:
+            raise ValueError(f"CUDA IPC probe holds {got}, expected {checksum}")
+
     def relayrl_receive(self, plan: list[dict], load: bool) -> tuple[int, list[int]]:
-        """Receive every bucket of ``plan`` from rank 0; load them if ``load``, else discard them
-        (a rejected plan is still drained so the sender and the group are not left hanging;
-        a transport-only push is timed this way). Returns the bytes received and each bucket's
-        checksum."""
+        """Receive every bucket of ``plan`` from rank 0 of the open group; load them if ``load``,
+        else discard them (a rejected plan is still drained so the sender and the group are not
+        left hanging; a transport-only push is timed this way). Returns the bytes received and
+        each bucket's checksum."""
         pg = getattr(self, "_relayrl_pg", None)
         if pg is None:
             raise RuntimeError("no weight-sync group is open")
         buckets = plan_from_wire(plan)
+        return self._relayrl_take(buckets, self._relayrl_buffers(pg, buckets), load)
+
+    def relayrl_read_shm(self, plan: list[dict], segment: str, offsets: list[int], load: bool):
+        """The buckets of ``plan`` from the learner's shared-memory segment, at ``offsets``."""
+        buckets = plan_from_wire(plan)
+        seg = Segment.attach(segment)
+        try:
+            whole = seg.view()
+            if any(o + b.nbytes > seg.size for b, o in zip(buckets, offsets, strict=True)):
+                raise ValueError(f"plan does not fit segment {segment} ({seg.size} bytes)")
+            sources = ((b, whole[o : o + b.nbytes]) for b, o in zip(buckets, offsets, strict=True))
+            result = self._relayrl_take(buckets, sources, load)
+            del whole, sources
+            return result
+        finally:
+            seg.close()
+
+    def relayrl_read_ipc(self, plan: list[dict], shared: list[dict], load: bool):
+        """The buckets of ``plan`` from the learner's CUDA buffers (one per bucket, same GPU)."""
+        buckets = plan_from_wire(plan)
+        index = self._relayrl_model_device().index or 0
+        sources = ((b, open_shared(Shared(**s), index)) for b, s in zip(buckets, shared, strict=True))
+        return self._relayrl_take(buckets, sources, load)
+
+    def _relayrl_take(self, buckets: list[ws.Bucket], sources, load: bool) -> tuple[int, list[int]]:
+        """Take every (bucket, buffer) of ``sources``: checksum each, load them if ``load`` (else
+        just read them through). Returns the bytes taken and the checksums."""
         self._relayrl_checksums = []
         if not load:
-            for _b, buf in self._relayrl_buffers(pg, buckets):
+            for _b, buf in sources:
                 self._relayrl_checksums.append(ws.checksum(buf))
         else:
             # Resolve the device now: during a layerwise reload the model's parameters sit on
             # the meta device, so asking them inside the iterator would give "meta".
             device = self._relayrl_model_device()
-            self.reload_weights(weights_iterator=self._relayrl_stream(pg, buckets, device))
+            self.reload_weights(weights_iterator=self._relayrl_stream(sources, device))
             self._relayrl_refresh_tied()
         return sum(b.nbytes for b in buckets), self._relayrl_checksums
 
@@ -114,11 +167,9 @@ class WeightSyncExtension:
                 nxt = post(buckets[i + 1])
             yield b, buf
 
-    def _relayrl_stream(
-        self, pg, buckets: list[ws.Bucket], device: torch.device
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    def _relayrl_stream(self, sources, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
         bad = None
-        for b, buf in self._relayrl_buffers(pg, buckets):
+        for b, buf in sources:
             self._relayrl_checksums.append(ws.checksum(buf))
             if bad is not None:
                 continue  # drain the rest: the sender must not be left blocked mid-broadcast

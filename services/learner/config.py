@@ -95,6 +95,11 @@ class LearnerConfig(StrictModel):
     weight_sync_host: str = ""
     """Address generators use to reach rank 0's weight-sync rendezvous; empty: ``serve.host``,
     or this host's name when serving on all interfaces."""
+    weight_sync_transport: Literal["auto", "ipc", "shm", "nccl", "gloo"] = "auto"
+    """How weights reach each generator. auto: CUDA IPC to a replica on the learner's GPU, shared
+    memory to one on the same host (CPU), NCCL to other GPUs, gloo across CPU hosts, each checked
+    when the replica registers (falling back ipc -> shm -> gloo when a probe fails). Anything
+    else forces that transport for every replica, and a replica it cannot reach is refused."""
     weight_sync_timeout_seconds: float = Field(300.0, gt=0)
     """Limit for generators to join the weight-sync group and for each broadcast."""
     rpc_deadline_seconds: float = Field(600.0, gt=0)

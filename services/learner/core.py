@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass
 
 from relayrl.common import logcontext
 from relayrl.common import weightsync as ws
-from relayrl.common.rpc import InvalidRequest, NotFound, Unavailable
+from relayrl.common.rpc import InvalidRequest, NotFound
 from relayrl.learner.control import Control
+from relayrl.learner.push import Sinks, send_buckets
 from relayrl.learner.trainer import Sample, Trainer
 from relayrl.learner.v1 import learner_pb2
 
@@ -95,15 +95,6 @@ def decode_samples(
     return out
 
 
-@dataclass
-class WeightGroup:
-    """The open weight-sync group: rank 0 of it is this learner's rank 0."""
-
-    pg: object
-    members: dict[str, int]  # replica_id -> first rank
-    world_size: int
-
-
 class LearnerCore:
     def __init__(self, trainer: Trainer, control: Control):
         self.trainer = trainer
@@ -124,30 +115,19 @@ class LearnerCore:
         return m
 
     def push(
-        self, buckets_bytes: int, dtype: str, group: WeightGroup | None, transport_only: bool = False
+        self, bucket_bytes: int, dtype: str, sinks: Sinks, transport_only: bool = False
     ) -> tuple[int, list[int]]:
-        """Gather (all ranks) and broadcast (rank 0 -> generators) every bucket; returns the
-        bytes sent and each bucket's checksum. ``transport_only``: rank 0 broadcasts zeros of
-        the same sizes, nothing is gathered (the other ranks are not involved)."""
-        if transport_only:
-            return self._broadcast_zeros(buckets_bytes, dtype, group)
-        self.control.send({"op": "push", "bucket_bytes": buckets_bytes, "dtype": dtype})
-        return self._push(buckets_bytes, dtype, group)
-
-    def _broadcast_zeros(
-        self, bucket_bytes: int, dtype: str, group: WeightGroup | None
-    ) -> tuple[int, list[int]]:
+        """Gather (all ranks) and send (rank 0 -> generators, over ``sinks``) every bucket; returns
+        the bytes sent and each bucket's checksum. ``transport_only``: rank 0 sends zeros of the
+        same sizes, nothing is gathered (the other ranks are not involved)."""
         import torch
 
         buckets = ws.plan_buckets(self.trainer.param_metas(dtype), bucket_bytes)
-        device = self.trainer.device if group is not None and torch_backend_is_nccl(group) else "cpu"
-        sums = []
-        for b in buckets:
-            buf = torch.zeros(b.nbytes, dtype=torch.uint8, device=device)
-            if group is not None:
-                ws.broadcast(group.pg, buf)
-            sums.append(0)
-        return sum(b.nbytes for b in buckets), sums
+        if transport_only:
+            zeros = (torch.zeros(b.nbytes, dtype=torch.uint8) for b in buckets)
+            return send_buckets(buckets, zeros, sinks)
+        self.control.send({"op": "push", "bucket_bytes": bucket_bytes, "dtype": dtype})
+        return send_buckets(buckets, self.trainer.gathered_buckets(buckets), sinks)
 
     def _check(self, op: str, path: str, tag: str) -> None:
         """Every rank says whether it can run ``op``; any problem refuses it on all of them
@@ -185,40 +165,6 @@ class LearnerCore:
         self.control.send({"op": "stop"})
 
     # -- shared ---------------------------------------------------------------------------
-    def _push(self, bucket_bytes: int, dtype: str, group: WeightGroup | None) -> tuple[int, list[int]]:
-        buckets = ws.plan_buckets(self.trainer.param_metas(dtype), bucket_bytes)
-        device = self.trainer.device if group is not None and torch_backend_is_nccl(group) else "cpu"
-        sent, sums, error = 0, [], None
-        in_flight = None  # (work, buf): broadcast of bucket i runs while bucket i+1 is gathered
-        for b, tensors in zip(buckets, self.trainer.gathered_buckets(buckets), strict=True):
-            if tensors is None or group is None or error is not None:
-                continue
-            try:
-                buf = ws.pack(b, tensors, device=device)
-                sums.append(ws.checksum(buf))
-                work = group.pg.broadcast(buf, 0)
-                if in_flight is not None:
-                    in_flight[0].wait()
-                in_flight = (work, buf)
-                if buf.data_ptr() == tensors[0].data_ptr():
-                    # A view of the gathered parameter (no copy): it is released when the gather
-                    # context closes, so this broadcast must finish first.
-                    work.wait()
-                    in_flight = None
-                sent += b.nbytes
-            except RuntimeError as e:
-                # A generator died mid-broadcast. Keep gathering (the other ranks are in the
-                # same loop, a collective each), then report; training is unharmed.
-                error = e
-        if in_flight is not None and error is None:
-            try:
-                in_flight[0].wait()
-            except RuntimeError as e:
-                error = e
-        if error is not None:
-            raise Unavailable(f"weight broadcast failed after {sent} bytes: {error}")
-        return sent, sums
-
     def follow(self) -> None:
         """Other ranks: run commands from rank 0 until ``stop``."""
         while True:
@@ -231,8 +177,10 @@ class LearnerCore:
                 samples = decode_samples(req, self.trainer.vocab_size, self.trainer.max_len, self.sft)
                 with logcontext.bound(run_id=req.run_id or None, step=req.step):
                     self.trainer.train_step(samples, cmd["max_tokens"])
-            elif op == "push":
-                self._push(cmd["bucket_bytes"], cmd["dtype"], None)
+            elif op == "push":  # gather only: rank 0 sends
+                buckets = ws.plan_buckets(self.trainer.param_metas(cmd["dtype"]), cmd["bucket_bytes"])
+                for _ in self.trainer.gathered_buckets(buckets):
+                    pass
             elif op == "check":
                 self.control.gather_text(self.trainer.problem(cmd["check"], cmd["path"], cmd["tag"]))
             elif op == "save":
@@ -243,7 +191,3 @@ class LearnerCore:
                 self.trainer.export(cmd["path"], cmd["bucket_bytes"])
             else:
                 raise RuntimeError(f"unknown learner command {op!r}")
-
-
-def torch_backend_is_nccl(group: WeightGroup) -> bool:
-    return type(group.pg).__name__ == "ProcessGroupNCCL"

@@ -53,15 +53,15 @@ async def serve(core, cfg: LearnerConfig, backend: str, port_file: str | None) -
     host = cfg.weight_sync_host or (
         cfg.serve.host if cfg.serve.host not in ("0.0.0.0", "::") else socket.gethostname()
     )
-    sync_backend = "nccl" if backend == "nccl" else "gloo"
     sync = WeightSync(
         host,
-        sync_backend,
+        str(core.trainer.device),
         cfg.dtype,
         cfg.weight_sync_timeout_seconds,
         cfg.rpc_deadline_seconds,
         core.trainer.param_metas,
         cfg.security,
+        transport=cfg.weight_sync_transport,
     )
     servicer = LearnerServicer(
         core,
@@ -78,6 +78,11 @@ async def serve(core, cfg: LearnerConfig, backend: str, port_file: str | None) -
             await asyncio.to_thread(core.stop)
 
     handle.on_shutdown.append(release_followers)
+
+    async def free_staging() -> None:  # the shared-memory segment must not outlive the learner
+        sync.close()
+
+    handle.on_shutdown.append(free_staging)
     await start(handle, ready=True)
     metrics_port = start_metrics_server(cfg.serve.metrics_port, cfg.serve.host)
     logger.info(

@@ -161,14 +161,25 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     async def RegisterGenerator(self, request, context):
         if not request.address or not request.replica_id:
             raise InvalidRequest("address and replica_id are required")
-        self.sync.register(request.replica_id, request.address)
+        if len(request.address) > 512 or len(request.replica_id) > 256:
+            raise InvalidRequest("address takes at most 512 characters, replica_id 256")
+
+        async def register():
+            async with self.lock:  # a group may re-form: never beside a push
+                return await self.sync.register(request.replica_id, request.address)
+
+        transport = await asyncio.shield(asyncio.ensure_future(register()))
         return learner_pb2.RegisterGeneratorResponse(
-            replica_ids=self.sync.replica_ids(), policy_version=self.trainer.version
+            replica_ids=self.sync.replica_ids(), policy_version=self.trainer.version, transport=transport
         )
 
     @map_errors
     async def UnregisterGenerator(self, request, context):
-        await self.sync.unregister(request.replica_id)
+        async def unregister():
+            async with self.lock:
+                await self.sync.unregister(request.replica_id)
+
+        await asyncio.shield(asyncio.ensure_future(unregister()))
         return learner_pb2.UnregisterGeneratorResponse(replica_ids=self.sync.replica_ids())
 
     @map_errors
@@ -186,8 +197,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                 sent, replicas = await self.sync.push(
                     request.version,
                     bucket_bytes,
-                    lambda group: self._collective(
-                        self.core.push, bucket_bytes, self.sync.dtype, group, only
+                    lambda sinks: self._collective(
+                        self.core.push, bucket_bytes, self.sync.dtype, sinks, only
                     ),
                     transport_only=only,
                 )
@@ -261,7 +272,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             policy_version=self.trainer.version,
             ready=self.broken is None,
             generators=[
-                learner_pb2.RegisteredGenerator(replica_id=r, address=a, policy_version=v)
-                for r, a, v in self.sync.members()
+                learner_pb2.RegisteredGenerator(replica_id=r, address=a, policy_version=v, transport=t)
+                for r, a, v, t in self.sync.members()
             ],
         )

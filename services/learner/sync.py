@@ -1,31 +1,53 @@
-"""Rank 0's side of weight sync: registered generators, the weight-sync group, one push.
+"""Rank 0's side of weight sync: registered generators, the transport of each, one push.
 
-A push: make sure a group exists whose members are exactly the registered generators (else
-close it and form a new one: each member's InitWeightSync runs while rank 0 joins as rank 0),
-send every member ``UpdateWeights(version, plan)``, run the collective gather + broadcast, then
-collect the members' answers. A member that fails is dropped from the group (the next push forms
-a new one without it) and the push reports UNAVAILABLE naming it.
+Registration picks a replica's transport from where both run (``transports.choose``: CUDA IPC on
+the learner's GPU, shared memory on its host, NCCL to other GPUs, gloo across CPU hosts) or the
+forced one, and opens it at once: a group transport forms its group with the replica in it, a
+shared-memory or IPC transport has the replica open a probe the learner made. A transport that
+cannot work is refused there with the reason (after trying the next one down in auto mode:
+IPC -> shared memory, shared memory -> gloo), never at a push.
+
+A push: every group is formed with exactly its members; group members get
+``UpdateWeights(version, plan)`` and the collective gather + send runs (``push.send_buckets``:
+broadcasts, and the bytes written into the shared-memory segment and IPC buffers); then the
+shared-memory and IPC members get ``UpdateWeights`` naming where the buckets are. The staging
+segment and buffers are reused at the next push only after every member answered. A member that
+fails is dropped from its transport (its group re-forms without it) and the push reports
+UNAVAILABLE naming it, after the others got the version.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import socket
 from collections.abc import Awaitable, Callable
 
 import grpc
 from relayrl.common import logcontext
 from relayrl.common import weightsync as ws
-from relayrl.common.rpc import DataLoss, FailedPrecondition, Unavailable
+from relayrl.common.placement import gpu_uuid, host_id
+from relayrl.common.rpc import DataLoss, FailedPrecondition, ServiceError, Unavailable
 from relayrl.common.security import client_channel
 from relayrl.common.serving import ClientSecurity
-from relayrl.common.tensors import plan_to_proto
+from relayrl.common.shm import Segment
+from relayrl.common.tensors import plan_to_proto, shared_to_proto
 from relayrl.generator.v1 import generator_pb2 as g
 from relayrl.generator.v1 import generator_pb2_grpc as gg
-from relayrl.learner.core import WeightGroup
+from relayrl.learner.push import Sinks, WeightGroup
+from relayrl.learner.transports import GROUP_BACKEND, Place, choose
 
 logger = logging.getLogger(__name__)
+
+_ENUM = {
+    "gloo": g.WEIGHT_TRANSPORT_GLOO,
+    "nccl": g.WEIGHT_TRANSPORT_NCCL,
+    "shm": g.WEIGHT_TRANSPORT_SHM,
+    "ipc": g.WEIGHT_TRANSPORT_IPC,
+}
+_FALLBACK = {"ipc": ["shm"], "shm": ["gloo"]}
+"""Auto mode: what to try when the chosen transport's probe fails."""
 
 
 def free_port(host: str) -> int:
@@ -38,37 +60,51 @@ class WeightSync:
     def __init__(
         self,
         host: str,
-        backend: str,
+        device: str,
         dtype: str,
         timeout_s: float,
         deadline_s: float,
         metas: Callable[[str], list[ws.TensorMeta]],
         security: ClientSecurity | None = None,
+        transport: str = "auto",
     ):
         self.host = host
-        self.backend = backend
+        self.device = device  # the learner's: "cpu" or "cuda:<i>"
         self.dtype = dtype
         self.timeout_s = timeout_s
         self.deadline_s = deadline_s
         self._metas = metas
         self.security = security  # how rank 0 reaches the generators (TLS, token)
+        self.forced = transport
+        cuda = device.startswith("cuda")
+        uuid = gpu_uuid(int(device.split(":")[1]) if ":" in device else 0) if cuda else ""
+        self.place = Place(host_id(), "cuda" if cuda else "cpu", (uuid,) if uuid else ())
         self.addresses: dict[str, str] = {}
+        self.transports: dict[str, str] = {}
         self.versions: dict[str, int] = {}
-        self.group: WeightGroup | None = None
+        self.groups: dict[str, WeightGroup] = {}
+        self._segment: Segment | None = None
+        self._ipc: tuple[list, list] | None = None  # (CUDA buffers, their sharing fields)
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     # -- membership ------------------------------------------------------------------------
-    def register(self, replica_id: str, address: str) -> None:
+    async def register(self, replica_id: str, address: str) -> str:
+        """Add (or move) a replica and open its transport now; returns the transport."""
         if self.addresses.get(replica_id) != address:
-            self.addresses[replica_id] = address
-            self.versions.pop(replica_id, None)
-            old = self._channels.pop(replica_id, None)
-            if old is not None:
-                asyncio.ensure_future(old.close())
+            await self.unregister(replica_id)
+        self.addresses[replica_id] = address
+        try:
+            return await self._open(replica_id)
+        except BaseException:
+            await self.unregister(replica_id)
+            raise
 
     async def unregister(self, replica_id: str) -> None:
+        transport = self.transports.pop(replica_id, None)
         self.addresses.pop(replica_id, None)
         self.versions.pop(replica_id, None)
+        if transport in GROUP_BACKEND:  # the group re-forms without it at the next push
+            await self._close_group(GROUP_BACKEND[transport])
         ch = self._channels.pop(replica_id, None)
         if ch is not None:
             await ch.close()
@@ -76,8 +112,11 @@ class WeightSync:
     def replica_ids(self) -> list[str]:
         return sorted(self.addresses)
 
-    def members(self) -> list[tuple[str, str, int]]:
-        return [(r, self.addresses[r], self.versions.get(r, 0)) for r in self.replica_ids()]
+    def members(self) -> list[tuple[str, str, int, str]]:
+        return [
+            (r, self.addresses[r], self.versions.get(r, 0), self.transports.get(r, ""))
+            for r in self.replica_ids()
+        ]
 
     def _stub(self, replica_id: str) -> gg.GeneratorServiceStub:
         ch = self._channels.get(replica_id)
@@ -89,9 +128,57 @@ class WeightSync:
             )
         return gg.GeneratorServiceStub(ch)
 
-    # -- the group -------------------------------------------------------------------------
-    async def _close_group(self) -> None:
-        group, self.group = self.group, None
+    # -- opening a transport -----------------------------------------------------------------
+    async def _open(self, rid: str) -> str:
+        try:
+            st = await self._stub(rid).GetStatus(g.GetStatusRequest(), timeout=30)
+        except grpc.aio.AioRpcError as e:
+            raise Unavailable(f"generator {rid} at {self.addresses[rid]} is unreachable: {_why(e)}") from None
+        theirs = Place(st.host_id or f"unknown:{rid}", st.device or "cpu", tuple(st.gpu_uuids))
+        first = choose(self.place, theirs, self.forced)
+        reasons = []
+        for transport in [first, *(_FALLBACK.get(first, []) if self.forced == "auto" else [])]:
+            try:
+                await self._stub(rid).CloseWeightSync(g.CloseWeightSyncRequest(), timeout=30)
+                self.transports[rid] = transport
+                if transport in GROUP_BACKEND:
+                    await self._ensure_group(GROUP_BACKEND[transport])
+                else:
+                    await self._probe(rid, transport)
+                logger.info("generator %s: weight transport %s", rid, transport)
+                return transport
+            except (ServiceError, grpc.aio.AioRpcError, OSError, RuntimeError, ValueError) as e:
+                self.transports.pop(rid, None)
+                reasons.append(f"{transport}: {_why(e)}")
+        raise FailedPrecondition(f"no weight transport reaches generator {rid}: " + "; ".join(reasons))
+
+    async def _probe(self, rid: str, transport: str) -> None:
+        """Make a probe the replica must read over ``transport`` (the learner's side of it)."""
+        value = int.from_bytes(secrets.token_bytes(8), "little")
+        req = g.InitWeightSyncRequest(
+            transport=_ENUM[transport], probe_checksum=value, timeout_seconds=self.timeout_s
+        )
+        if transport == "shm":
+            seg = Segment.create(64, "probe")
+            try:
+                seg.write(0, value.to_bytes(8, "little"))
+                req.shm_probe = seg.name
+                await self._stub(rid).InitWeightSync(req, timeout=self.timeout_s)
+            finally:
+                seg.close()
+        else:
+            import torch
+            from relayrl.common.cudaipc import share
+
+            if not self.device.startswith("cuda"):
+                raise RuntimeError("the learner trains on the CPU: no GPU to share")
+            buf = torch.frombuffer(bytearray(value.to_bytes(8, "little")), dtype=torch.uint8).to(self.device)
+            req.ipc_probe.CopyFrom(shared_to_proto(share(buf)))
+            await self._stub(rid).InitWeightSync(req, timeout=self.timeout_s)
+            del buf  # the replica has read it: the answer says so
+
+    async def _close_group(self, backend: str) -> None:
+        group = self.groups.pop(backend, None)
         if group is None:
             return
         for rid in group.members:
@@ -99,19 +186,20 @@ class WeightSync:
                 try:
                     await self._stub(rid).CloseWeightSync(g.CloseWeightSyncRequest(), timeout=30)
                 except grpc.RpcError as e:
-                    logger.warning(
-                        "CloseWeightSync on %s failed: %s", rid, e.details() if hasattr(e, "details") else e
-                    )
+                    logger.warning("CloseWeightSync on %s failed: %s", rid, _why(e))
         try:
             group.pg.shutdown()
         except Exception:
             logger.debug("weight group shutdown failed", exc_info=True)
 
-    async def _ensure_group(self) -> WeightGroup:
-        wanted = set(self.addresses)
-        if self.group is not None and set(self.group.members) == wanted:
-            return self.group
-        await self._close_group()
+    async def _ensure_group(self, backend: str) -> WeightGroup:
+        wanted = {r for r, t in self.transports.items() if GROUP_BACKEND.get(t) == backend}
+        group = self.groups.get(backend)
+        if group is not None and set(group.members) == wanted:
+            return group
+        await self._close_group(backend)
+        if backend == "nccl" and not self.device.startswith("cuda"):
+            raise RuntimeError("nccl needs the learner on a GPU")
         rids = sorted(wanted)
         statuses = await asyncio.gather(
             *(self._stub(r).GetStatus(g.GetStatusRequest(), timeout=30) for r in rids), return_exceptions=True
@@ -127,11 +215,11 @@ class WeightSync:
             asyncio.ensure_future(
                 self._stub(r).InitWeightSync(
                     g.InitWeightSyncRequest(
+                        transport=_ENUM[backend],
                         master_addr=self.host,
                         master_port=port,
                         world_size=nxt,
                         rank=ranks[r],
-                        backend=self.backend,
                         timeout_seconds=self.timeout_s,
                     ),
                     timeout=self.timeout_s,
@@ -140,70 +228,129 @@ class WeightSync:
             for r in rids
         ]
         try:
-            pg = await asyncio.to_thread(ws.open_group, self.host, port, nxt, 0, self.backend, self.timeout_s)
+            pg = await asyncio.to_thread(ws.open_group, self.host, port, nxt, 0, backend, self.timeout_s)
         except Exception as e:
             for c in calls:
                 c.cancel()
-            raise Unavailable(f"weight-sync group did not form: {e}") from None
+            raise Unavailable(f"{backend} weight-sync group did not form: {e}") from None
         answers = await asyncio.gather(*calls, return_exceptions=True)
         bad = [f"{r}: {_why(a)}" for r, a in zip(rids, answers, strict=True) if isinstance(a, BaseException)]
         if bad:
             pg.shutdown()
-            raise Unavailable("generators failed to join the weight-sync group: " + "; ".join(bad))
-        self.group = WeightGroup(pg=pg, members=ranks, world_size=nxt)
-        logger.info("weight-sync group formed: %s (world %d)", ranks, nxt)
-        return self.group
+            raise Unavailable(f"generators failed to join the {backend} weight-sync group: " + "; ".join(bad))
+        device = self.device if backend == "nccl" else "cpu"
+        self.groups[backend] = WeightGroup(pg=pg, members=ranks, world_size=nxt, device=device)
+        logger.info("%s weight-sync group formed: %s (world %d)", backend, ranks, nxt)
+        return self.groups[backend]
 
-    # -- a push ----------------------------------------------------------------------------
+    # -- staging -----------------------------------------------------------------------------
+    def _shm_staging(self, buckets: list[ws.Bucket]) -> tuple[Segment, tuple[int, ...]]:
+        offsets, end = [], 0
+        for b in buckets:
+            offsets.append(end)
+            end = -(-(end + b.nbytes) // ws.ALIGN) * ws.ALIGN
+        if self._segment is None or self._segment.size != end:
+            if self._segment is not None:
+                self._segment.close()
+            self._segment = Segment.create(end)
+        return self._segment, tuple(offsets)
+
+    def _ipc_staging(self, buckets: list[ws.Bucket]) -> tuple[list, list]:
+        import torch
+        from relayrl.common.cudaipc import share
+
+        sizes = [b.nbytes for b in buckets]
+        if self._ipc is None or [t.numel() for t in self._ipc[0]] != sizes:
+            bufs = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
+            self._ipc = (bufs, [shared_to_proto(share(t)) for t in bufs])
+        return self._ipc
+
+    def close(self) -> None:
+        """Free the staging memory (the learner is stopping)."""
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+        self._ipc = None
+
+    # -- a push ------------------------------------------------------------------------------
     async def push(
         self,
         version: int,
         bucket_bytes: int,
-        collective: Callable[[WeightGroup | None], Awaitable[tuple[int, list[int]]]],
+        collective: Callable[[Sinks], Awaitable[tuple[int, list[int]]]],
         transport_only: bool = False,
     ) -> tuple[int, list[str]]:
         if not self.addresses:
             return 0, []
         if not transport_only and all(self.versions.get(r) == version for r in self.addresses):
             return 0, sorted(self.addresses)  # all current: idempotent by version
-        group = await self._ensure_group()
-        plan = plan_to_proto(ws.plan_buckets(self._metas(self.dtype), bucket_bytes))
-        req = g.UpdateWeightsRequest(version=version, plan=plan, transport_only=transport_only)
-        rids = sorted(group.members)
+        for backend in sorted({GROUP_BACKEND[t] for t in self.transports.values() if t in GROUP_BACKEND}):
+            await self._ensure_group(backend)
+        buckets = ws.plan_buckets(self._metas(self.dtype), bucket_bytes)
+        base = g.UpdateWeightsRequest(
+            version=version, plan=plan_to_proto(buckets), transport_only=transport_only
+        )
+        sinks = Sinks(groups=[self.groups[b] for b in sorted(self.groups)])
+        after = {r: base for r, t in self.transports.items() if t in GROUP_BACKEND}
+        if any(t == "shm" for t in self.transports.values()):
+            seg, offsets = self._shm_staging(buckets)
+            sinks.shm, sinks.shm_offsets = seg.view(writable=True), offsets
+            req = g.UpdateWeightsRequest()
+            req.CopyFrom(base)
+            req.shm.segment, req.shm.offsets[:] = seg.name, offsets
+            after.update({r: req for r, t in self.transports.items() if t == "shm"})
+        if any(t == "ipc" for t in self.transports.values()):
+            bufs, shared = self._ipc_staging(buckets)
+            sinks.ipc = bufs
+            req = g.UpdateWeightsRequest()
+            req.CopyFrom(base)
+            req.ipc.buffers.extend(shared)
+            after.update({r: req for r, t in self.transports.items() if t == "ipc"})
         with logcontext.bound(version=version):
             meta = logcontext.current()
-        calls = [
-            asyncio.ensure_future(self._stub(r).UpdateWeights(req, timeout=self.deadline_s, metadata=meta))
-            for r in rids
-        ]
+
+        def call(r: str) -> asyncio.Future:
+            return asyncio.ensure_future(
+                self._stub(r).UpdateWeights(after[r], timeout=self.deadline_s, metadata=meta)
+            )
+
+        grouped = sorted(r for r, t in self.transports.items() if t in GROUP_BACKEND)
+        calls = {r: call(r) for r in grouped}  # they receive while the learner sends
         try:
-            sent, sums = await collective(group)
+            sent, sums = await collective(sinks)
         except Exception:
-            for c in calls:
+            for c in calls.values():
                 c.cancel()
-            await self._close_group()
+            for backend in list(self.groups):
+                await self._close_group(backend)
             raise
-        answers = await asyncio.gather(*calls, return_exceptions=True)
-        failed, corrupted = [], []
+        calls.update({r: call(r) for r in sorted(after) if r not in calls})  # the buckets are in place now
+        rids = sorted(calls)
+        answers = await asyncio.gather(*(calls[r] for r in rids), return_exceptions=True)
+        failed, corrupted = {}, []
         for r, a in zip(rids, answers, strict=True):
             if isinstance(a, BaseException):
-                failed.append(f"{r}: {_why(a)}")
+                failed[r] = _why(a)
             elif list(a.bucket_checksums) != sums:
                 corrupted.append(r)
             elif not transport_only:
                 self.versions[r] = a.version
+        for r in [*failed, *corrupted]:
+            transport = self.transports.get(r)
+            if transport in GROUP_BACKEND:  # its group re-forms at the next push
+                await self._close_group(GROUP_BACKEND[transport])
         if corrupted:
-            await self._close_group()
             raise DataLoss(f"weights arrived corrupted on {', '.join(corrupted)} (bucket checksums differ)")
         if failed:
-            await self._close_group()
             if all(
                 isinstance(a, grpc.aio.AioRpcError) and a.code() == grpc.StatusCode.FAILED_PRECONDITION
                 for a in answers
                 if isinstance(a, BaseException)
             ):
-                raise FailedPrecondition("generators refused the version: " + "; ".join(failed))
-            raise Unavailable("weight push failed on: " + "; ".join(failed))
+                raise FailedPrecondition(
+                    "generators refused the version: " + "; ".join(f"{r}: {w}" for r, w in failed.items())
+                )
+            raise Unavailable("weight push failed on: " + "; ".join(f"{r}: {w}" for r, w in failed.items()))
         return sent, rids
 
 

@@ -140,9 +140,11 @@ def test_train_push_and_generator_matches_learner(stack):
         assert 0 <= m.clip_fraction <= 1 and m.entropy > 0 and m.step_seconds > 0
     assert train(stub, 2, seed=2) == r2  # a retried step is answered, not trained twice
     reg = stub.RegisterGenerator(
-        lp.RegisterGeneratorRequest(address=gen_addr, replica_id="gen-0"), timeout=10
+        lp.RegisterGeneratorRequest(address=gen_addr, replica_id="gen-0"), timeout=60
     )
-    assert list(reg.replica_ids) == ["gen-0"]
+    # Same host, CPU: the weights go through shared memory (one copy, no sockets).
+    assert list(reg.replica_ids) == ["gen-0"] and reg.transport == "shm"
+    assert gen.GetStatus(g.GetStatusRequest(), timeout=10).weight_transport == g.WEIGHT_TRANSPORT_SHM
     with pytest.raises(grpc.RpcError) as e:
         stub.PushWeights(lp.PushWeightsRequest(version=1), timeout=60)
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -186,18 +188,19 @@ def test_train_push_and_generator_matches_learner(stack):
     assert len(changed) == len(list(base.parameters())), "every parameter moved in two steps"
 
 
-def test_unreachable_generator_gives_unavailable_and_training_goes_on(stack):
+def test_unreachable_generator_is_refused_at_registration_and_training_goes_on(stack):
     stub, *_ = stack
-    stub.RegisterGenerator(lp.RegisterGeneratorRequest(address="127.0.0.1:1", replica_id="ghost"), timeout=10)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.RegisterGenerator(
+            lp.RegisterGeneratorRequest(address="127.0.0.1:1", replica_id="ghost"), timeout=60
+        )
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "ghost" in e.value.details()
     step = stub.GetStatus(lp.GetStatusRequest(), timeout=10).step
     r = train(stub, step + 1, seed=3)
-    with pytest.raises(grpc.RpcError) as e:
-        stub.PushWeights(lp.PushWeightsRequest(version=r.policy_version), timeout=120)
-    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "ghost" in e.value.details()
-    stub.UnregisterGenerator(lp.UnregisterGeneratorRequest(replica_id="ghost"), timeout=10)
     push = stub.PushWeights(lp.PushWeightsRequest(version=r.policy_version), timeout=300)
     assert list(push.replica_ids) == ["gen-0"]
-    assert stub.GetStatus(lp.GetStatusRequest(), timeout=10).ready
+    st = stub.GetStatus(lp.GetStatusRequest(), timeout=10)
+    assert st.ready and [(x.replica_id, x.transport) for x in st.generators] == [("gen-0", "shm")]
 
 
 def test_checkpoint_paths_and_tags_stay_inside_and_refusals_change_nothing(stack):
@@ -312,3 +315,47 @@ def test_resume_continues_identically(tiny_model_dir, tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         assert (a[k] - b[k]).abs().max().item() == 0, k
+
+
+@pytest.mark.parametrize("transport", ["gloo", "ipc"])
+def test_a_forced_transport_works_or_is_refused_at_registration_with_its_reason(stack, transport, tmp_path):
+    """Forced gloo reaches the generator (greedy output then equals transformers on the learner's
+    weights); forced ipc on a CPU learner is refused when the replica registers, at once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _, gen, gen_addr, _, _, model = stack
+    with learner(model, tmp_path, "--set", f"weight_sync_transport={transport}") as (addr, _):
+        stub = lg.LearnerServiceStub(grpc.insecure_channel(addr))
+        req = lp.RegisterGeneratorRequest(address=gen_addr, replica_id="gen-0")
+        if transport == "ipc":
+            with pytest.raises(grpc.RpcError) as e:
+                stub.RegisterGenerator(req, timeout=60)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "ipc: RuntimeError: the learner trains on the CPU" in e.value.details()
+            assert not stub.GetStatus(lp.GetStatusRequest(), timeout=10).generators
+            return
+        assert stub.RegisterGenerator(req, timeout=60).transport == "gloo"
+        version = gen.GetStatus(g.GetStatusRequest(), timeout=10).policy_version
+        for step in range(1, version + 2):  # past the generator's version: it takes only newer ones
+            train(stub, step, seed=40 + step)
+        push = stub.PushWeights(lp.PushWeightsRequest(version=version + 1), timeout=300)
+        assert list(push.replica_ids) == ["gen-0"] and push.bytes > 0
+        assert gen.GetStatus(g.GetStatusRequest(), timeout=10).weight_transport == g.WEIGHT_TRANSPORT_GLOO
+        stub.ExportModel(lp.ExportModelRequest(path="export"), timeout=300)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32)
+    prompt = [1, 20, 30, 40, 50]
+    got = next(
+        s
+        for r in gen.Generate(
+            g.GenerateRequest(
+                prompts=[common_pb2.Prompt(prompt_id="p", token_ids=common_pb2.TokenIds(ids=prompt))],
+                sampling=g.SamplingParams(n=1, temperature=0.0, max_tokens=16, ignore_eos=True),
+            ),
+            timeout=60,
+        )
+        for s in r.samples
+    )
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()  # fmt: skip
+    assert list(got.completion_token_ids) == ref

@@ -202,6 +202,10 @@ def test_the_loop_runs_across_four_hosts(model, tmp_path):
             f"security.ca={ca.path}",
             "--set",
             f"security.token_file={token}",
+            # Namespaces share the IPC namespace (shared memory would work between them):
+            # force what real hosts would use, a gloo broadcast across the network.
+            "--set",
+            "weight_sync_transport=gloo",
         ]
         serve("learner", *learner_args, "--node-rank", "0")
         serve("learner-node1", *learner_args, "--node-rank", "1")

@@ -260,20 +260,29 @@ def test_compose_services_and_profiles():
     assert compose_env()["COMPOSE_PROFILES"] == "cpu"  # plain `docker compose up` is the CPU stack
     cpu = active_services(compose, ["cpu"])
     gpu = active_services(compose, ["gpu"])
+    one = active_services(compose, ["gpu1"])
     assert cpu == {"init", *RELAYRL_SERVICES, "prometheus", "grafana"}
     assert gpu == {"init", "reward", "generator-gpu", "learner-gpu", "coordinator", "prometheus", "grafana"}
-    for name in ("generator", "learner"):  # the same name on either profile for experiment and Prometheus
-        assert compose["services"][f"{name}-gpu"]["networks"]["default"]["aliases"] == [name]
+    assert one == {"init", "reward", "generator-1gpu", "learner-1gpu", "coordinator", "prometheus", "grafana"}
+    for name in ("generator", "learner"):  # the same name on every profile for experiment and Prometheus
+        for suffix in ("-gpu", "-1gpu"):
+            assert compose["services"][f"{name}{suffix}"]["networks"]["default"]["aliases"] == [name]
 
 
-COMPOSE_RELAYRL = ["reward", "generator", "learner", "coordinator", "generator-gpu", "learner-gpu"]
+COMPOSE_RELAYRL = [
+    "reward", "generator", "learner", "coordinator", "generator-gpu", "learner-gpu", "generator-1gpu", "learner-1gpu"
+]  # fmt: skip
+
+
+def on_gpu(name: str) -> bool:
+    return name.endswith(("-gpu", "-1gpu"))
 
 
 @pytest.mark.parametrize("name", COMPOSE_RELAYRL)
 def test_compose_relayrl_service(name, secrets_dir):
     compose = load_compose()
     svc, argv, args, config = compose_relayrl(compose, name, secrets_dir)
-    base = name.removesuffix("-gpu")
+    base = name.removesuffix("-gpu").removesuffix("-1gpu")
     assert args.service == base and config.serve.host == "0.0.0.0"
     port = config.serve.port
     assert svc["ports"] == [f"127.0.0.1:{port}:{port}"]
@@ -283,7 +292,7 @@ def test_compose_relayrl_service(name, secrets_dir):
     build = svc["build"]
     assert build["dockerfile"] == "deploy/docker/Dockerfile" and build["target"] in dockerfile_stages()
     assert (COMPOSE_DIR / build["context"] / build["dockerfile"]).resolve() == DOCKERFILE
-    gpu = name.endswith("-gpu")
+    gpu = on_gpu(name)
     args_ = build.get("args", {})
     assert (args_.get("BASE_IMAGE", "python:3.11-slim").startswith("nvidia/cuda:")) == gpu
     if gpu:
@@ -377,8 +386,21 @@ def test_compose_gpu_profile_reserves_separate_gpus(secrets_dir):
     _svc, _argv, _args, learner = compose_relayrl(compose, "learner-gpu", secrets_dir)
     assert learner.world_size == len(ids["learner-gpu"])
     for name, svc in compose["services"].items():
-        if not name.endswith("-gpu"):
-            assert "deploy" not in svc, f"{name} reserves devices outside the gpu profile"
+        if not on_gpu(name):
+            assert "deploy" not in svc, f"{name} reserves devices outside the gpu profiles"
+
+
+def test_compose_one_gpu_profile_shares_gpu_0_with_ipc_and_bounds_vllm(secrets_dir):
+    """Learner and generator on one GPU: both reserve GPU 0, share the IPC namespace (CUDA IPC
+    and the shared-memory probe need it), vLLM takes at most 45% of the GPU's memory."""
+    compose = load_compose()
+    for name in ("generator-1gpu", "learner-1gpu"):
+        svc = compose["services"][name]
+        (dev,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert dev["device_ids"] == ["0"] and svc["ipc"] == "host" and "shm_size" not in svc
+    _svc, _argv, _args, gen = compose_relayrl(compose, "generator-1gpu", secrets_dir)
+    _svc, _argv, _args, learner = compose_relayrl(compose, "learner-1gpu", secrets_dir)
+    assert gen.engine.gpu_memory_utilization == 0.45 and learner.weight_sync_transport == "auto"
 
 
 def test_compose_volumes_and_experiment(secrets_dir):
@@ -479,7 +501,9 @@ def compose_mounts(name: str) -> dict[str, str]:
     return {v.split(":")[0]: v.split(":")[1] for v in load_compose()["services"][name]["volumes"]}
 
 
-@pytest.mark.parametrize("profile", ["cpu", "gpu"], ids=["cpu-profile", "gpu-profile"])
+@pytest.mark.parametrize(
+    "profile", ["cpu", "gpu", "gpu1"], ids=["cpu-profile", "gpu-profile", "gpu1-profile"]
+)
 def test_compose_file_is_valid_compose(profile):
     """The compose specification's schema (the ``compose-spec`` package, a validating parser:
     unknown keys, types, ports, durations), after YAML anchors and ``<<`` merges are resolved as
@@ -491,7 +515,9 @@ def test_compose_file_is_valid_compose(profile):
     data = load_compose()
     PyCompose.from_yaml(yaml.safe_dump(data))  # ValueError naming the field when invalid
     active = {n: s for n, s in data["services"].items() if not s.get("profiles") or profile in s["profiles"]}
-    assert {"generator", "learner", "reward", "coordinator"} <= {n.removesuffix("-gpu") for n in active}
+    assert {"generator", "learner", "reward", "coordinator"} <= {
+        n.removesuffix("-gpu").removesuffix("-1gpu") for n in active
+    }
     for name, svc in active.items():
         for dep in svc.get("depends_on", []):
             assert dep in active, f"{name} depends on {dep}, which the {profile} profile does not run"

@@ -40,6 +40,7 @@ class FakeEngine:
         self.delay, self.gate, self.fail = delay, None, None
         self.version, self.swapping, self.active, self.cancelled = 0, False, 0, 0
         self.calls, self.buckets, self.loaded, self.shutdowns = [], [], [], 0
+        self.syncs, self.sources = [], []
 
     def encode_messages(self, messages):
         return self.encode_text("".join(f"{m['role']}:{m['content']}|" for m in messages))
@@ -101,10 +102,12 @@ class FakeEngine:
         finally:
             self.swapping = False
 
-    async def open_weight_sync(self, *args):
-        return 1, 1
+    async def open_weight_sync(self, spec):
+        self.syncs.append(spec)
+        return (spec.rank, 1) if spec.transport in ("gloo", "nccl") else (0, 1)
 
-    async def update_weights(self, version, buckets, transport_only=False):
+    async def update_weights(self, version, buckets, transport_only=False, source=None):
+        self.sources.append(source)
         return await self._swap(version, self.buckets, [b.nbytes for b in buckets])
 
     async def close_weight_sync(self):
@@ -425,3 +428,77 @@ async def test_graceful_stop_drains_then_shuts_the_engine_down():
         await stopping
         assert s.engine.shutdowns == 1 and s.engine.cancelled == 0
         assert time.monotonic() - t0 < 3.0  # returned once drained, not after the whole grace
+
+
+# -- weight transports -----------------------------------------------------------------------
+
+
+def init(**fields) -> g.InitWeightSyncRequest:
+    return g.InitWeightSyncRequest(**fields)
+
+
+@pytest.mark.parametrize(
+    ("request_", "spec"),
+    [
+        (init(master_addr="h", master_port=5, world_size=2, rank=1), ("gloo", "h", 5, 2, 1)),
+        (init(master_addr="h", master_port=5, world_size=2, rank=1, backend="nccl"), ("nccl", "h", 5, 2, 1)),
+        (
+            init(transport=g.WEIGHT_TRANSPORT_GLOO, master_addr="h", master_port=5, world_size=3, rank=2),
+            ("gloo", "h", 5, 3, 2),
+        ),
+        (
+            init(transport=g.WEIGHT_TRANSPORT_SHM, shm_probe="relayrl-probe-1-ab", probe_checksum=7),
+            ("shm", "", 0, 0, 0),
+        ),
+    ],
+)
+async def test_init_weight_sync_maps_the_transport(svc, request_, spec):
+    resp = await svc.stub.InitWeightSync(request_)
+    got = svc.engine.syncs[-1]
+    assert (got.transport, got.master_addr, got.master_port, got.world_size, got.rank) == spec
+    assert (
+        resp.transport
+        == {"gloo": g.WEIGHT_TRANSPORT_GLOO, "nccl": g.WEIGHT_TRANSPORT_NCCL, "shm": g.WEIGHT_TRANSPORT_SHM}[
+            spec[0]
+        ]
+    )
+    if spec[0] == "shm":
+        assert (got.shm_probe, got.probe_checksum) == ("relayrl-probe-1-ab", 7)
+
+
+@pytest.mark.parametrize(
+    ("request_", "problem"),
+    [
+        (
+            init(transport=g.WEIGHT_TRANSPORT_SHM, shm_probe="../../etc/passwd"),
+            "is not a relayrl segment name",
+        ),
+        (init(transport=g.WEIGHT_TRANSPORT_SHM), "is not a relayrl segment name"),
+        (init(transport=g.WEIGHT_TRANSPORT_IPC), "ipc_probe is required"),
+        (init(transport=9, master_addr="h", master_port=5), "transport 9 is not one this contract knows"),
+        (init(transport=g.WEIGHT_TRANSPORT_NCCL), "master_addr and master_port are required"),
+    ],
+)
+async def test_init_weight_sync_refuses_what_cannot_work(svc, request_, problem):
+    err = await error_of(svc.stub.InitWeightSync(request_))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and problem in err.details()
+    assert not svc.engine.syncs
+
+
+async def test_update_weights_names_where_shm_and_ipc_buckets_are(svc):
+    req = plan()
+    req.shm.segment, req.shm.offsets[:] = "relayrl-w-1-ab", [0]
+    await svc.stub.UpdateWeights(req)
+    assert svc.engine.sources[-1].shm_segment == "relayrl-w-1-ab" and svc.engine.sources[-1].shm_offsets == (
+        0,
+    )
+    req = plan(version=2)
+    req.ipc.buffers.add(handle=b"h", storage_size_bytes=128, nbytes=72, device=0)
+    await svc.stub.UpdateWeights(req)
+    assert svc.engine.sources[-1].ipc[0].nbytes == 72
+    await svc.stub.UpdateWeights(plan(version=3))
+    assert svc.engine.sources[-1] is None  # over the open group
+    bad = plan(version=4)
+    bad.shm.segment, bad.shm.offsets[:] = "relayrl-w-1-ab", [0, 64]
+    err = await error_of(svc.stub.UpdateWeights(bad))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "2 entries for 1 buckets" in err.details()

@@ -1,11 +1,25 @@
 from relayrl.common.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class WeightTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WEIGHT_TRANSPORT_UNSPECIFIED: _ClassVar[WeightTransport]
+    WEIGHT_TRANSPORT_GLOO: _ClassVar[WeightTransport]
+    WEIGHT_TRANSPORT_NCCL: _ClassVar[WeightTransport]
+    WEIGHT_TRANSPORT_SHM: _ClassVar[WeightTransport]
+    WEIGHT_TRANSPORT_IPC: _ClassVar[WeightTransport]
+WEIGHT_TRANSPORT_UNSPECIFIED: WeightTransport
+WEIGHT_TRANSPORT_GLOO: WeightTransport
+WEIGHT_TRANSPORT_NCCL: WeightTransport
+WEIGHT_TRANSPORT_SHM: WeightTransport
+WEIGHT_TRANSPORT_IPC: WeightTransport
 
 class SamplingParams(_message.Message):
     __slots__ = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "include_stop_str_in_output", "ignore_eos")
@@ -52,7 +66,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("model", "replica_id", "policy_version", "num_running_requests", "num_waiting_requests", "max_model_len", "ready", "swapping", "weight_sync_open", "weight_sync_ranks")
+    __slots__ = ("model", "replica_id", "policy_version", "num_running_requests", "num_waiting_requests", "max_model_len", "ready", "swapping", "weight_sync_open", "weight_sync_ranks", "host_id", "device", "gpu_uuids", "weight_transport")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +77,10 @@ class GetStatusResponse(_message.Message):
     SWAPPING_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_SYNC_OPEN_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_SYNC_RANKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     model: str
     replica_id: str
     policy_version: int
@@ -73,10 +91,28 @@ class GetStatusResponse(_message.Message):
     swapping: bool
     weight_sync_open: bool
     weight_sync_ranks: int
-    def __init__(self, model: _Optional[str] = ..., replica_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., max_model_len: _Optional[int] = ..., ready: _Optional[bool] = ..., swapping: _Optional[bool] = ..., weight_sync_open: _Optional[bool] = ..., weight_sync_ranks: _Optional[int] = ...) -> None: ...
+    host_id: str
+    device: str
+    gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
+    weight_transport: WeightTransport
+    def __init__(self, model: _Optional[str] = ..., replica_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., max_model_len: _Optional[int] = ..., ready: _Optional[bool] = ..., swapping: _Optional[bool] = ..., weight_sync_open: _Optional[bool] = ..., weight_sync_ranks: _Optional[int] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., weight_transport: _Optional[_Union[WeightTransport, str]] = ...) -> None: ...
+
+class SharedMemoryBuckets(_message.Message):
+    __slots__ = ("segment", "offsets")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, segment: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CudaIpcBuckets(_message.Message):
+    __slots__ = ("buffers",)
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    buffers: _containers.RepeatedCompositeFieldContainer[_common_pb2.CudaIpcBuffer]
+    def __init__(self, buffers: _Optional[_Iterable[_Union[_common_pb2.CudaIpcBuffer, _Mapping]]] = ...) -> None: ...
 
 class InitWeightSyncRequest(_message.Message):
-    __slots__ = ("master_addr", "master_port", "world_size", "rank", "backend", "group_name", "timeout_seconds")
+    __slots__ = ("master_addr", "master_port", "world_size", "rank", "backend", "group_name", "timeout_seconds", "transport", "shm_probe", "ipc_probe", "probe_checksum")
     MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +120,10 @@ class InitWeightSyncRequest(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    SHM_PROBE_FIELD_NUMBER: _ClassVar[int]
+    IPC_PROBE_FIELD_NUMBER: _ClassVar[int]
+    PROBE_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     master_addr: str
     master_port: int
     world_size: int
@@ -91,27 +131,37 @@ class InitWeightSyncRequest(_message.Message):
     backend: str
     group_name: str
     timeout_seconds: float
-    def __init__(self, master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., backend: _Optional[str] = ..., group_name: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    transport: WeightTransport
+    shm_probe: str
+    ipc_probe: _common_pb2.CudaIpcBuffer
+    probe_checksum: int
+    def __init__(self, master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., backend: _Optional[str] = ..., group_name: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., transport: _Optional[_Union[WeightTransport, str]] = ..., shm_probe: _Optional[str] = ..., ipc_probe: _Optional[_Union[_common_pb2.CudaIpcBuffer, _Mapping]] = ..., probe_checksum: _Optional[int] = ...) -> None: ...
 
 class InitWeightSyncResponse(_message.Message):
-    __slots__ = ("replica_id", "rank", "num_ranks")
+    __slots__ = ("replica_id", "rank", "num_ranks", "transport")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     rank: int
     num_ranks: int
-    def __init__(self, replica_id: _Optional[str] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ...) -> None: ...
+    transport: WeightTransport
+    def __init__(self, replica_id: _Optional[str] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., transport: _Optional[_Union[WeightTransport, str]] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("version", "plan", "transport_only")
+    __slots__ = ("version", "plan", "transport_only", "shm", "ipc")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_ONLY_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    IPC_FIELD_NUMBER: _ClassVar[int]
     version: int
     plan: _common_pb2.BucketPlan
     transport_only: bool
-    def __init__(self, version: _Optional[int] = ..., plan: _Optional[_Union[_common_pb2.BucketPlan, _Mapping]] = ..., transport_only: _Optional[bool] = ...) -> None: ...
+    shm: SharedMemoryBuckets
+    ipc: CudaIpcBuckets
+    def __init__(self, version: _Optional[int] = ..., plan: _Optional[_Union[_common_pb2.BucketPlan, _Mapping]] = ..., transport_only: _Optional[bool] = ..., shm: _Optional[_Union[SharedMemoryBuckets, _Mapping]] = ..., ipc: _Optional[_Union[CudaIpcBuckets, _Mapping]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("version", "swap_seconds", "nbytes", "bucket_checksums")

@@ -90,18 +90,23 @@ class GeneratorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def InitWeightSync(self, request, context):
-        """Learner -> generator: join a torch.distributed process group for weight broadcasts. The
-        call returns once every rank has joined, so the learner calls it on all replicas
-        concurrently while joining the group itself as rank 0. FAILED_PRECONDITION when a group
-        is already open (call CloseWeightSync first).
+        """Learner -> generator: prepare to receive weights over a transport. GLOO or NCCL: join a
+        torch.distributed process group for weight broadcasts; the call returns once every rank has
+        joined, so the learner calls it on all replicas concurrently while joining the group itself
+        as rank 0. SHM or IPC: read the probe the learner made (a shared-memory segment, or a CUDA
+        IPC handle) and check its checksum, so a transport that cannot work between these two
+        processes fails here, with the reason, never at a push. FAILED_PRECONDITION when weight
+        sync is open already (call CloseWeightSync first) or when the probe cannot be read.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UpdateWeights(self, request, context):
-        """Learner -> generator: receive a new policy version over the open weight-sync group. The
-        request carries the plan; the learner then broadcasts the buckets from rank 0 in plan order.
+        """Learner -> generator: receive a new policy version over the open weight sync. The request
+        carries the plan; over a group the learner then broadcasts the buckets from rank 0 in plan
+        order; over SHM or IPC the request names where the buckets already are, and the learner
+        reuses or frees them only after this call answers.
         The call returns once all buckets are loaded into the engine. In-flight samples continue on
         the new weights and record the switch in Sample.version_spans. FAILED_PRECONDITION when no
         group is open or version is not greater than the replica's policy_version.

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n relayrl/learner/v1/learner.proto\x12\x12relayrl.learner.v1\"\x9f\x01\n\x0bTrainSample\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x1c\n\x14\x63ompletion_token_ids\x18\x02 \x03(\x05\x12\x1a\n\x12generator_logprobs\x18\x03 \x03(\x02\x12\x11\n\tadvantage\x18\x04 \x01(\x02\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x04\x12\x11\n\tloss_mask\x18\x06 \x03(\x02\"b\n\x10TrainStepRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x30\n\x07samples\x18\x03 \x03(\x0b\x32\x1f.relayrl.learner.v1.TrainSample\"\x90\x02\n\x0cTrainMetrics\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12\n\n\x02kl\x18\x02 \x01(\x01\x12\x0f\n\x07\x65ntropy\x18\x03 \x01(\x01\x12\x15\n\rclip_fraction\x18\x04 \x01(\x01\x12\x11\n\tgrad_norm\x18\x05 \x01(\x01\x12\n\n\x02lr\x18\x06 \x01(\x01\x12\x0e\n\x06tokens\x18\x07 \x01(\x04\x12\x0f\n\x07samples\x18\x08 \x01(\r\x12\x14\n\x0cstep_seconds\x18\t \x01(\x01\x12:\n\x05\x65xtra\x18\n \x03(\x0b\x32+.relayrl.learner.v1.TrainMetrics.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"l\n\x11TrainStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x31\n\x07metrics\x18\x03 \x01(\x0b\x32 .relayrl.learner.v1.TrainMetrics\"?\n\x18RegisterGeneratorRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\"H\n\x19RegisterGeneratorResponse\x12\x13\n\x0breplica_ids\x18\x01 \x03(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\"0\n\x1aUnregisterGeneratorRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"2\n\x1bUnregisterGeneratorResponse\x12\x13\n\x0breplica_ids\x18\x01 \x03(\t\"S\n\x12PushWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0c\x62ucket_bytes\x18\x02 \x01(\x04\x12\x16\n\x0etransport_only\x18\x03 \x01(\x08\"[\n\x13PushWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x13\n\x0breplica_ids\x18\x04 \x03(\t\"M\n\x15SaveCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0b\n\x03tag\x18\x02 \x01(\t\x12\x19\n\x11\x63lient_state_json\x18\x03 \x01(\t\"j\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0b\n\x03tag\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x04\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"2\n\x15LoadCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0b\n\x03tag\x18\x02 \x01(\t\"f\n\x16LoadCheckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x19\n\x11\x63lient_state_json\x18\x03 \x01(\t\x12\x0b\n\x03tag\x18\x04 \x01(\t\"\"\n\x12\x45xportModelRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"L\n\x13\x45xportModelResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\x12\n\x10GetStatusRequest\"R\n\x13RegisteredGenerator\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\"\xa8\x01\n\x11GetStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x04\x12\r\n\x05ready\x18\x05 \x01(\x08\x12;\n\ngenerators\x18\x06 \x03(\x0b\x32\'.relayrl.learner.v1.RegisteredGenerator2\xc0\x06\n\x0eLearnerService\x12X\n\tTrainStep\x12$.relayrl.learner.v1.TrainStepRequest\x1a%.relayrl.learner.v1.TrainStepResponse\x12p\n\x11RegisterGenerator\x12,.relayrl.learner.v1.RegisterGeneratorRequest\x1a-.relayrl.learner.v1.RegisterGeneratorResponse\x12v\n\x13UnregisterGenerator\x12..relayrl.learner.v1.UnregisterGeneratorRequest\x1a/.relayrl.learner.v1.UnregisterGeneratorResponse\x12^\n\x0bPushWeights\x12&.relayrl.learner.v1.PushWeightsRequest\x1a\'.relayrl.learner.v1.PushWeightsResponse\x12g\n\x0eSaveCheckpoint\x12).relayrl.learner.v1.SaveCheckpointRequest\x1a*.relayrl.learner.v1.SaveCheckpointResponse\x12g\n\x0eLoadCheckpoint\x12).relayrl.learner.v1.LoadCheckpointRequest\x1a*.relayrl.learner.v1.LoadCheckpointResponse\x12^\n\x0b\x45xportModel\x12&.relayrl.learner.v1.ExportModelRequest\x1a\'.relayrl.learner.v1.ExportModelResponse\x12X\n\tGetStatus\x12$.relayrl.learner.v1.GetStatusRequest\x1a%.relayrl.learner.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n relayrl/learner/v1/learner.proto\x12\x12relayrl.learner.v1\"\x9f\x01\n\x0bTrainSample\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x1c\n\x14\x63ompletion_token_ids\x18\x02 \x03(\x05\x12\x1a\n\x12generator_logprobs\x18\x03 \x03(\x02\x12\x11\n\tadvantage\x18\x04 \x01(\x02\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x04\x12\x11\n\tloss_mask\x18\x06 \x03(\x02\"b\n\x10TrainStepRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x30\n\x07samples\x18\x03 \x03(\x0b\x32\x1f.relayrl.learner.v1.TrainSample\"\x90\x02\n\x0cTrainMetrics\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12\n\n\x02kl\x18\x02 \x01(\x01\x12\x0f\n\x07\x65ntropy\x18\x03 \x01(\x01\x12\x15\n\rclip_fraction\x18\x04 \x01(\x01\x12\x11\n\tgrad_norm\x18\x05 \x01(\x01\x12\n\n\x02lr\x18\x06 \x01(\x01\x12\x0e\n\x06tokens\x18\x07 \x01(\x04\x12\x0f\n\x07samples\x18\x08 \x01(\r\x12\x14\n\x0cstep_seconds\x18\t \x01(\x01\x12:\n\x05\x65xtra\x18\n \x03(\x0b\x32+.relayrl.learner.v1.TrainMetrics.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"l\n\x11TrainStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x31\n\x07metrics\x18\x03 \x01(\x0b\x32 .relayrl.learner.v1.TrainMetrics\"?\n\x18RegisterGeneratorRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\"[\n\x19RegisterGeneratorResponse\x12\x13\n\x0breplica_ids\x18\x01 \x03(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x11\n\ttransport\x18\x03 \x01(\t\"0\n\x1aUnregisterGeneratorRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"2\n\x1bUnregisterGeneratorResponse\x12\x13\n\x0breplica_ids\x18\x01 \x03(\t\"S\n\x12PushWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0c\x62ucket_bytes\x18\x02 \x01(\x04\x12\x16\n\x0etransport_only\x18\x03 \x01(\x08\"[\n\x13PushWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x13\n\x0breplica_ids\x18\x04 \x03(\t\"M\n\x15SaveCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0b\n\x03tag\x18\x02 \x01(\t\x12\x19\n\x11\x63lient_state_json\x18\x03 \x01(\t\"j\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0b\n\x03tag\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x04\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"2\n\x15LoadCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0b\n\x03tag\x18\x02 \x01(\t\"f\n\x16LoadCheckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x19\n\x11\x63lient_state_json\x18\x03 \x01(\t\x12\x0b\n\x03tag\x18\x04 \x01(\t\"\"\n\x12\x45xportModelRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"L\n\x13\x45xportModelResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\x12\n\x10GetStatusRequest\"e\n\x13RegisteredGenerator\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x11\n\ttransport\x18\x04 \x01(\t\"\xa8\x01\n\x11GetStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x04\x12\r\n\x05ready\x18\x05 \x01(\x08\x12;\n\ngenerators\x18\x06 \x03(\x0b\x32\'.relayrl.learner.v1.RegisteredGenerator2\xc0\x06\n\x0eLearnerService\x12X\n\tTrainStep\x12$.relayrl.learner.v1.TrainStepRequest\x1a%.relayrl.learner.v1.TrainStepResponse\x12p\n\x11RegisterGenerator\x12,.relayrl.learner.v1.RegisterGeneratorRequest\x1a-.relayrl.learner.v1.RegisterGeneratorResponse\x12v\n\x13UnregisterGenerator\x12..relayrl.learner.v1.UnregisterGeneratorRequest\x1a/.relayrl.learner.v1.UnregisterGeneratorResponse\x12^\n\x0bPushWeights\x12&.relayrl.learner.v1.PushWeightsRequest\x1a\'.relayrl.learner.v1.PushWeightsResponse\x12g\n\x0eSaveCheckpoint\x12).relayrl.learner.v1.SaveCheckpointRequest\x1a*.relayrl.learner.v1.SaveCheckpointResponse\x12g\n\x0eLoadCheckpoint\x12).relayrl.learner.v1.LoadCheckpointRequest\x1a*.relayrl.learner.v1.LoadCheckpointResponse\x12^\n\x0b\x45xportModel\x12&.relayrl.learner.v1.ExportModelRequest\x1a\'.relayrl.learner.v1.ExportModelResponse\x12X\n\tGetStatus\x12$.relayrl.learner.v1.GetStatusRequest\x1a%.relayrl.learner.v1.GetStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,33 +46,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERGENERATORREQUEST']._serialized_start=703
   _globals['_REGISTERGENERATORREQUEST']._serialized_end=766
   _globals['_REGISTERGENERATORRESPONSE']._serialized_start=768
-  _globals['_REGISTERGENERATORRESPONSE']._serialized_end=840
-  _globals['_UNREGISTERGENERATORREQUEST']._serialized_start=842
-  _globals['_UNREGISTERGENERATORREQUEST']._serialized_end=890
-  _globals['_UNREGISTERGENERATORRESPONSE']._serialized_start=892
-  _globals['_UNREGISTERGENERATORRESPONSE']._serialized_end=942
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=944
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=1027
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=1029
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=1120
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1122
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1199
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1201
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1307
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_start=1309
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_end=1359
-  _globals['_LOADCHECKPOINTRESPONSE']._serialized_start=1361
-  _globals['_LOADCHECKPOINTRESPONSE']._serialized_end=1463
-  _globals['_EXPORTMODELREQUEST']._serialized_start=1465
-  _globals['_EXPORTMODELREQUEST']._serialized_end=1499
-  _globals['_EXPORTMODELRESPONSE']._serialized_start=1501
-  _globals['_EXPORTMODELRESPONSE']._serialized_end=1577
-  _globals['_GETSTATUSREQUEST']._serialized_start=1579
-  _globals['_GETSTATUSREQUEST']._serialized_end=1597
-  _globals['_REGISTEREDGENERATOR']._serialized_start=1599
-  _globals['_REGISTEREDGENERATOR']._serialized_end=1681
-  _globals['_GETSTATUSRESPONSE']._serialized_start=1684
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1852
-  _globals['_LEARNERSERVICE']._serialized_start=1855
-  _globals['_LEARNERSERVICE']._serialized_end=2687
+  _globals['_REGISTERGENERATORRESPONSE']._serialized_end=859
+  _globals['_UNREGISTERGENERATORREQUEST']._serialized_start=861
+  _globals['_UNREGISTERGENERATORREQUEST']._serialized_end=909
+  _globals['_UNREGISTERGENERATORRESPONSE']._serialized_start=911
+  _globals['_UNREGISTERGENERATORRESPONSE']._serialized_end=961
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=963
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=1046
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=1048
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=1139
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1141
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1218
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1220
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1326
+  _globals['_LOADCHECKPOINTREQUEST']._serialized_start=1328
+  _globals['_LOADCHECKPOINTREQUEST']._serialized_end=1378
+  _globals['_LOADCHECKPOINTRESPONSE']._serialized_start=1380
+  _globals['_LOADCHECKPOINTRESPONSE']._serialized_end=1482
+  _globals['_EXPORTMODELREQUEST']._serialized_start=1484
+  _globals['_EXPORTMODELREQUEST']._serialized_end=1518
+  _globals['_EXPORTMODELRESPONSE']._serialized_start=1520
+  _globals['_EXPORTMODELRESPONSE']._serialized_end=1596
+  _globals['_GETSTATUSREQUEST']._serialized_start=1598
+  _globals['_GETSTATUSREQUEST']._serialized_end=1616
+  _globals['_REGISTEREDGENERATOR']._serialized_start=1618
+  _globals['_REGISTEREDGENERATOR']._serialized_end=1719
+  _globals['_GETSTATUSRESPONSE']._serialized_start=1722
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1890
+  _globals['_LEARNERSERVICE']._serialized_start=1893
+  _globals['_LEARNERSERVICE']._serialized_end=2725
 # @@protoc_insertion_point(module_scope)

@@ -82,12 +82,14 @@ class RegisterGeneratorRequest(_message.Message):
     def __init__(self, address: _Optional[str] = ..., replica_id: _Optional[str] = ...) -> None: ...
 
 class RegisterGeneratorResponse(_message.Message):
-    __slots__ = ("replica_ids", "policy_version")
+    __slots__ = ("replica_ids", "policy_version", "transport")
     REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     replica_ids: _containers.RepeatedScalarFieldContainer[str]
     policy_version: int
-    def __init__(self, replica_ids: _Optional[_Iterable[str]] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    transport: str
+    def __init__(self, replica_ids: _Optional[_Iterable[str]] = ..., policy_version: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class UnregisterGeneratorRequest(_message.Message):
     __slots__ = ("replica_id",)
@@ -188,14 +190,16 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RegisteredGenerator(_message.Message):
-    __slots__ = ("replica_id", "address", "policy_version")
+    __slots__ = ("replica_id", "address", "policy_version", "transport")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     policy_version: int
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    transport: str
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., policy_version: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
     __slots__ = ("model", "world_size", "step", "policy_version", "ready", "generators")

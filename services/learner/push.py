@@ -1,0 +1,103 @@
+"""Rank 0's side of one push: each bucket, once gathered, is packed once where a transport needs it
+and handed to every transport the replicas use.
+
+``Sinks`` says where: broadcast groups (gloo, NCCL), a shared-memory segment (its view and each
+bucket's offset) and CUDA buffers shared over IPC (one per bucket). The first sink in the order
+IPC, shared memory, group takes the packed bytes; the others get a copy on their own device.
+The broadcast of bucket i runs while bucket i+1 is gathered. A failed broadcast (a generator
+died) does not stop the loop, since the other ranks gather bucket after bucket in step with
+this one; it is reported at the end, training unharmed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from relayrl.common import weightsync as ws
+from relayrl.common.rpc import Unavailable
+
+
+@dataclass
+class WeightGroup:
+    """An open weight-sync group: rank 0 of it is this learner's rank 0."""
+
+    pg: object
+    members: dict[str, int]  # replica_id -> first rank
+    world_size: int
+    device: str = "cpu"  # where its buffers live: "cpu" for gloo, the learner's GPU for NCCL
+
+
+@dataclass
+class Sinks:
+    """Where the buckets of a push go (see the module docstring)."""
+
+    groups: list[WeightGroup] = field(default_factory=list)
+    shm: torch.Tensor | None = None
+    shm_offsets: tuple[int, ...] = ()
+    ipc: list[torch.Tensor] | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.groups) or self.shm is not None or bool(self.ipc)
+
+
+def send_buckets(
+    buckets: list[ws.Bucket], items: Iterable[list[torch.Tensor] | torch.Tensor | None], sinks: Sinks
+) -> tuple[int, list[int]]:
+    """Pack and send each bucket: ``items`` gives per bucket its gathered tensors (or an already
+    packed uint8 buffer; None on ranks that only gather). Returns bytes sent and checksums."""
+    sent, sums, error = 0, [], None
+    in_flight: list = []  # (work, buffer) of the previous bucket's broadcasts
+    for i, (b, item) in enumerate(zip(buckets, items, strict=True)):
+        if item is None or not sinks or error is not None:
+            continue
+        try:
+            buf = _stage(i, b, item, sinks)
+            sums.append(ws.checksum(buf))
+            if sinks.shm is not None and buf.device.type != "cpu":  # staged on a GPU for IPC
+                _at(sinks, i, b).copy_(buf)
+            works = []
+            for g in sinks.groups:
+                gbuf = buf if buf.device == torch.device(g.device) else buf.to(g.device)
+                works.append((g.pg.broadcast(gbuf, 0), gbuf))
+            for work, _ in in_flight:
+                work.wait()
+            in_flight = works
+            if isinstance(item, list) and buf.data_ptr() == item[0].data_ptr():
+                # A view of the gathered parameter (no copy): it is released when the gather
+                # context closes, so its broadcasts must finish first.
+                for work, _ in in_flight:
+                    work.wait()
+                in_flight = []
+            sent += b.nbytes
+        except RuntimeError as e:
+            error = e
+    if error is None:
+        try:
+            for work, _ in in_flight:
+                work.wait()
+        except RuntimeError as e:
+            error = e
+    if error is not None:
+        raise Unavailable(f"weight broadcast failed after {sent} bytes: {error}")
+    return sent, sums
+
+
+def _at(sinks: Sinks, i: int, b: ws.Bucket) -> torch.Tensor:
+    off = sinks.shm_offsets[i]
+    return sinks.shm[off : off + b.nbytes]
+
+
+def _stage(i: int, b: ws.Bucket, item: list[torch.Tensor] | torch.Tensor, sinks: Sinks) -> torch.Tensor:
+    """The bucket packed into the first sink that holds memory of its own, else a fresh buffer
+    on the first group's device (or a view of a lone tensor already there)."""
+    out = sinks.ipc[i] if sinks.ipc else (_at(sinks, i, b) if sinks.shm is not None else None)
+    if isinstance(item, torch.Tensor):  # packed already (transport-only pushes: zeros)
+        if out is None:
+            return item.to(sinks.groups[0].device)
+        out.copy_(item)
+        return out
+    if out is None:
+        return ws.pack(b, item, device=sinks.groups[0].device)
+    return ws.pack(b, item, out=out)

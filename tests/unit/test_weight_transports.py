@@ -1,0 +1,110 @@
+"""Weight transports: which one the learner picks for every topology, and the shared-memory
+segment the shm transport moves buckets through (real ``/dev/shm``, a second process)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+from relayrl.common import weightsync as ws
+from relayrl.common.placement import host_id
+from relayrl.common.shm import ROOT, Segment, valid_name
+from relayrl.learner.transports import Place, choose
+
+CPU_A, CPU_B = Place("host-a", "cpu"), Place("host-b", "cpu")
+GPU0_A = Place("host-a", "cuda", ("GPU-0",))
+
+
+@pytest.mark.parametrize(
+    ("learner", "replica", "expected"),
+    [
+        (CPU_A, Place("host-a", "cpu"), "shm"),  # one host, CPU: shared memory
+        (CPU_A, CPU_B, "gloo"),  # across CPU hosts
+        (CPU_A, Place("host-a", "cuda", ("GPU-3",)), "shm"),  # CPU learner, GPU replica, one host
+        (CPU_A, Place("host-b", "cuda", ("GPU-3",)), "gloo"),
+        (GPU0_A, Place("host-a", "cuda", ("GPU-0",)), "ipc"),  # on the learner's GPU: NCCL would refuse
+        (GPU0_A, Place("host-a", "cuda", ("GPU-1",)), "nccl"),  # another GPU of this host
+        (GPU0_A, Place("host-b", "cuda", ("GPU-7",)), "nccl"),  # another node
+        (GPU0_A, Place("host-a", "cuda", ("GPU-0", "GPU-1")), "shm"),  # TP over the learner's GPU and another
+        (GPU0_A, Place("host-a", "cpu"), "shm"),
+        (GPU0_A, Place("host-b", "cpu"), "gloo"),
+    ],
+)
+def test_the_transport_follows_the_topology(learner, replica, expected):
+    assert choose(learner, replica) == expected
+
+
+@pytest.mark.parametrize("forced", ["ipc", "shm", "nccl", "gloo"])
+def test_a_forced_transport_is_taken_as_is(forced):
+    assert choose(CPU_A, CPU_B, forced) == forced
+
+
+def _read(name: str, offset: int, n: int, out) -> None:
+    seg = Segment.attach(name)
+    try:
+        view = seg.view()
+        out.put((bytes(view[offset : offset + n].tolist()), host_id()))
+        try:
+            seg.view(writable=True)
+        except ValueError as e:
+            out.put(str(e))
+    finally:
+        seg.close()
+
+
+def test_a_segment_made_here_is_read_by_another_process_and_gone_when_closed():
+    metas = [ws.TensorMeta("a", "float32", (3,)), ws.TensorMeta("b", "int64", (2,))]
+    (bucket,) = ws.plan_buckets(metas, 1 << 20)
+    seg = Segment.create(bucket.nbytes + 64)
+    try:
+        tensors = [torch.tensor([1.5, -2.0, 3.25]), torch.tensor([7, 9])]
+        buf = ws.pack(bucket, tensors, out=seg.view(writable=True)[64 : 64 + bucket.nbytes])
+        assert ws.checksum(buf) == ws.checksum(ws.pack(bucket, tensors))
+        q = mp.get_context("spawn").Queue()
+        p = mp.get_context("spawn").Process(target=_read, args=(seg.name, 64, bucket.nbytes, q))
+        p.start()
+        data, their_host = q.get(timeout=60)
+        assert "read-only" in q.get(timeout=60)
+        p.join(30)
+        assert data == bytes(buf.tolist()) and their_host == host_id()
+        assert [
+            t.tolist() for _, t in ws.unpack(bucket, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        ] == [
+            [1.5, -2.0, 3.25],
+            [7, 9],
+        ]
+        assert oct((ROOT / seg.name).stat().st_mode & 0o777) == "0o600"  # this user's weights only
+    finally:
+        seg.close()
+    assert not (ROOT / seg.name).exists()
+
+
+@pytest.mark.parametrize("name", ["../etc/passwd", "relayrl-/x", "other-name", "relayrl-" + "x" * 200, ""])
+def test_only_relayrl_segment_names_are_opened(name):
+    assert not valid_name(name)
+    with pytest.raises(ValueError, match="not a relayrl shared-memory segment name"):
+        Segment.attach(name)
+
+
+def test_host_id_names_boot_and_ipc_namespace():
+    boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+    assert host_id() == f"{boot}/{os.readlink('/proc/self/ns/ipc')}"
+
+
+def test_a_dead_creators_segment_is_removed_by_the_next_one():
+    import subprocess
+    import sys
+
+    child = subprocess.run(
+        [sys.executable, "-c", "from relayrl.common.shm import Segment; print(Segment.create(4096, 't').name)"],
+        capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    name = child.stdout.strip()  # its creator exited without closing it (as a killed learner would)
+    assert (ROOT / name).exists()
+    fresh = Segment.create(16, "t")
+    try:
+        assert not (ROOT / name).exists() and (ROOT / fresh.name).exists()
+    finally:
+        fresh.close()

@@ -98,7 +98,8 @@ def main(model: str, backend: str) -> None:
     from relayrl.common import weightsync as ws
     from relayrl.learner.config import LearnerConfig
     from relayrl.learner.control import Control
-    from relayrl.learner.core import LearnerCore, WeightGroup
+    from relayrl.learner.core import LearnerCore
+    from relayrl.learner.push import Sinks, WeightGroup
     from relayrl.learner.rank import init_distributed
     from relayrl.learner.trainer import Trainer
     from relayrl.learner.v1 import learner_pb2 as lp
@@ -150,7 +151,7 @@ def main(model: str, backend: str) -> None:
             )
             proc.start()
             group = WeightGroup(ws.open_group("127.0.0.1", port, 2, 0, backend, timeout_s=120), {"r": 1}, 2)
-            sent, sums = core.push(64 << 10, "float32", group)
+            sent, sums = core.push(64 << 10, "float32", Sinks(groups=[group]))
             assert got.get(timeout=120) == sums and sent == sum(b.nbytes for b in plan)
             proc.join(30)
             core.save(str(out / "ckpt"), "t1", "{}")

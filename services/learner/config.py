@@ -12,8 +12,10 @@ from relayrl.common.serving import ClientSecurity, ServeConfig
 class LossConfig(StrictModel):
     """The policy loss. GRPO, Dr.GRPO and DAPO differ in clipping and in how tokens are averaged."""
 
-    kind: Literal["grpo", "drgrpo", "dapo", "sft"] = "grpo"
-    """grpo: clipped ratio; drgrpo: no length normalisation; dapo: asymmetric clip, token-level; sft."""
+    kind: Literal["grpo", "drgrpo", "dapo", "gspo", "sft"] = "grpo"
+    """grpo: clipped ratio; drgrpo: no length normalisation; dapo: asymmetric clip, token-level;
+    gspo: one clipped ratio per sequence (the geometric mean of its token ratios; the paper clips
+    at 3e-4 / 4e-4, set clip_low / clip_high so); sft."""
     aggregation: Literal["token", "sequence"] | None = None
     """Average per token over the batch, or per sequence then over sequences. None: the kind's
     own (grpo: sequence, dapo: token; drgrpo sums tokens and divides by a constant)."""
@@ -23,10 +25,18 @@ class LossConfig(StrictModel):
     """Upper clip epsilon (DAPO raises it, e.g. 0.28)."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the KL penalty to the frozen reference model; 0 loads no reference model."""
-    kl_estimator: Literal["k1", "k3"] = "k3"
-    """KL estimator: k1 = log ratio, k3 = Schulman's unbiased low-variance estimator."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator: k1 = log ratio, k2 = half its square, k3 = Schulman's unbiased low-variance
+    estimator."""
+    kl_ratio: bool = False
+    """Multiply the per-token KL by the policy's importance ratio (TRL's bias-corrected k3):
+    the KL's gradient is then unbiased for samples drawn by the behaviour policy."""
     tis_cap: float | None = Field(None, gt=0)
-    """Truncated importance sampling cap for generator/learner mismatch; None turns TIS off."""
+    """Importance-sampling cap for the generator/learner mismatch; None turns it off."""
+    tis_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"
+    """With ``tis_cap``: weight each token by its ratio capped (truncate) or zeroed above the cap
+    (mask), per token or per sequence (the product of its token ratios), as TRL's
+    ``vllm_importance_sampling_mode``."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature of the generators: logprobs are computed from logits / temperature
     so they compare with the generator's. The coordinator sets it from ``sampling.temperature``."""
@@ -38,6 +48,8 @@ class LossConfig(StrictModel):
         # DAPO's token-level average is part of its definition, not an option.
         if self.kind == "dapo" and self.aggregation == "sequence":
             raise ValueError("dapo averages per token: aggregation must be 'token' or unset")
+        if self.kind == "gspo" and self.tis_cap is not None:
+            raise ValueError("gspo's sequence ratio is its own importance correction: tis_cap must be unset")
         return self
 
 

@@ -20,8 +20,21 @@ Aggregation (``LossConfig.aggregation``):
 * ``token`` (DAPO): sum over all tokens / number of tokens.
 * Dr.GRPO: sum over tokens / (sequences x a constant length), removing GRPO's length bias.
 
-KL to a frozen reference (``kl_coef`` > 0): k1 = log(pi/ref); k3 = ref/pi - log(ref/pi) - 1
-(Schulman's unbiased, non-negative estimator), added per token before aggregation.
+Importance weights (``tis_mode``, with ``tis_cap``): per token w_t = pi/pi_behavior capped
+(``token_truncate``) or zeroed above the cap (``token_mask``); per sequence the product of its
+token ratios, capped or zeroed likewise (``sequence_*``), as TRL's
+``vllm_importance_sampling_mode``.
+
+GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): one ratio per sequence, s_i =
+exp(mean_t log(pi/pi_behavior)), clipped as PPO's; per token GSPO-token's sg[s_i] pi/sg[pi], so
+each token's gradient carries the sequence's ratio. Aggregated per sequence (mean of means).
+
+KL to a frozen reference (``kl_coef`` > 0): k1 = log(pi/ref); k2 = log(pi/ref)^2 / 2; k3 =
+ref/pi - log(ref/pi) - 1 (Schulman's unbiased, non-negative estimator), added per token before
+aggregation; with ``kl_ratio`` multiplied by the policy's ratio (TRL's bias-corrected KL).
+
+Value loss of the critic (PPO; verl's ``compute_value_loss``): 0.5 max((V - R)^2, (clip(V,
+V_old - c, V_old + c) - R)^2) per token, aggregated as the policy loss.
 """
 
 from __future__ import annotations
@@ -62,6 +75,8 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     log_ratio = logprobs - ref_logprobs  # log(pi / ref)
     if estimator == "k1":
         return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio * log_ratio
     if estimator == "k3":
         return torch.exp(-log_ratio) + log_ratio - 1.0
     raise ValueError(f"unknown KL estimator {estimator!r}")
@@ -78,11 +93,70 @@ def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str, totals: To
     raise ValueError(f"unknown aggregation {how!r}")
 
 
+def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, cap: float, mode: str) -> torch.Tensor:
+    """Per-token weights [B, T] from the (detached, masked) log-ratios to the behaviour policy.
+
+    >>> lr = torch.log(torch.tensor([[0.5, 4.0], [1.5, 1.0]]))
+    >>> m = torch.ones(2, 2)
+    >>> importance_weights(lr, m, 2.0, "token_truncate").tolist()
+    [[0.5, 2.0], [1.5, 1.0]]
+    >>> importance_weights(lr, m, 2.0, "token_mask").tolist()
+    [[0.5, 0.0], [1.5, 1.0]]
+    >>> [[round(x, 4) for x in row] for row in importance_weights(lr, m, 1.8, "sequence_truncate").tolist()]
+    [[1.8, 1.8], [1.5, 1.5]]
+    >>> [[round(x, 4) for x in row] for row in importance_weights(lr, m, 1.8, "sequence_mask").tolist()]
+    [[0.0, 0.0], [1.5, 1.5]]
+    """
+    if mode.startswith("sequence"):
+        log_ratio = (log_ratio * mask).sum(dim=1, keepdim=True).clamp(max=20.0).expand_as(log_ratio)
+    ratio = torch.exp(log_ratio)
+    if mode.endswith("truncate"):
+        return ratio.clamp(max=cap)
+    if mode.endswith("mask"):
+        return torch.where(ratio > cap, 0.0, ratio)
+    raise ValueError(f"unknown importance sampling mode {mode!r}")
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float | None,
+    how: str,
+    totals: Totals,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The critic's clipped value loss (all [B, T]), the micro-batch's share as ``policy_loss``'s;
+    metrics are sums over counted tokens (``vf_clipped``: tokens where the clipped term won).
+
+    >>> t = torch.tensor
+    >>> loss, m = value_loss(t([[2.0, 0.0]]), t([[1.0, 0.0]]), t([[3.0, 1.0]]), t([[1.0, 1.0]]), 0.5,
+    ...                      "token", Totals(tokens=2, sequences=1))
+    >>> round(loss.item(), 4), m["vf_clipped"]  # 0.5 * mean(max(1, 2.25), max(1, 1)) = 0.8125
+    (0.8125, 1.0)
+    """
+    mask = mask.to(values.dtype)
+    err = (values - returns) ** 2
+    if clip is None:
+        per_token, clipped = err, torch.zeros_like(err)
+    else:
+        clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+        err_clipped = (clipped_values - returns) ** 2
+        per_token, clipped = torch.maximum(err, err_clipped), (err_clipped > err).to(values.dtype)
+    loss = _aggregate(0.5 * per_token, mask, how, totals)
+    return loss, {
+        "vf_clipped": float((clipped * mask).sum()),
+        "vf_sq_err": float((err.detach() * mask).sum()),
+    }
+
+
 def aggregation_of(cfg: LossConfig) -> str:
     if cfg.kind == "drgrpo":
         return "drgrpo"
     if cfg.kind == "dapo":
         return "token"
+    if cfg.kind == "gspo":
+        return "sequence"
     return cfg.aggregation or ("token" if cfg.kind == "sft" else "sequence")
 
 
@@ -104,9 +178,15 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, totals: Totals) -> tuple[torch
     # would give inf * 0 = NaN in the loss and its gradient. The clamp guards counted tokens
     # against overflow (e^20 is already far beyond any clip range).
     behavior_log_ratio = torch.where(live, inp.logprobs - inp.behavior_logprobs, 0.0).clamp(-20.0, 20.0)
-    if cfg.tis_cap is not None:
+    if cfg.kind == "gspo":
+        seq_log_ratio = behavior_log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(
+            min=1
+        )
+        ratio = torch.exp(seq_log_ratio.detach() + inp.logprobs - inp.logprobs.detach())
+        weight = torch.ones_like(ratio)
+    elif cfg.tis_cap is not None:
         ratio = torch.exp(inp.logprobs - inp.logprobs.detach())
-        weight = torch.exp(behavior_log_ratio.detach()).clamp(max=cfg.tis_cap)
+        weight = importance_weights(behavior_log_ratio.detach(), mask, cfg.tis_cap, cfg.tis_mode)
     else:
         ratio = torch.exp(behavior_log_ratio)
         weight = torch.ones_like(ratio)
@@ -119,6 +199,8 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, totals: Totals) -> tuple[torch
             raise ValueError("kl_coef > 0 needs ref_logprobs")
         ref = torch.where(live, inp.ref_logprobs, inp.logprobs.detach())  # masked: log ratio 0
         kl = kl_estimate(inp.logprobs, ref, cfg.kl_estimator)
+        if cfg.kl_ratio:
+            kl = kl * ratio
         per_token = per_token + cfg.kl_coef * kl
         kl_sum = float((kl.detach() * mask).sum())
     loss = _aggregate(per_token, mask, how, totals)

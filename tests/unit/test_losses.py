@@ -207,3 +207,45 @@ def test_masked_tokens_whose_ratio_overflows_do_not_poison_the_loss():
     inp = batch(lp=with_masked(LP, 800.0))  # e^(800 + 0.8) = inf in float64; A = -2 gives per-token +inf
     loss, grad, _ = loss_and_grad(inp, LossConfig())
     assert math.isfinite(loss) and all(math.isfinite(g) for row in grad for g in row)
+
+
+def test_gspo_clips_one_ratio_per_sequence_and_each_token_carries_it():
+    # s_i = exp(mean of the sequence's counted log-ratios): seq 0 e^0.155, seq 1 e^-0.05, both inside [0.8, 1.2]
+    s0, s1 = e((0.4 - 0.1 + 0.22 + 0.1) / 4), e((-0.5 + 0.3 + 0.05) / 3)
+    loss, grad, metrics = loss_and_grad(batch(), LossConfig(kind="gspo"))
+    assert loss == approx((-s0 * 1 + -(s1 * -2)) / 2)
+    # GSPO-token: d/dlogp_t of sg[s_i] * pi_t / sg[pi_t] is s_i on every counted token, / (length * 2)
+    assert grad[0] == approx([-s0 / 8] * 4) and grad[1] == approx([2 * s1 / 6] * 3 + [0.0])
+    assert metrics["clipped"] == 0.0
+    # The paper's clip range (3e-4, 4e-4): both sequences clipped, no gradient anywhere
+    loss, grad, metrics = loss_and_grad(batch(), LossConfig(kind="gspo", clip_low=3e-4, clip_high=4e-4))
+    assert loss == approx((-1.0004 + -(0.9997 * -2)) / 2)
+    assert grad == [[0.0] * 4, [0.0] * 4] and metrics["clipped"] == 7.0
+    with pytest.raises(ValidationError, match="tis_cap must be unset"):
+        LossConfig(kind="gspo", tis_cap=2.0)
+
+
+def test_sequence_mask_drops_a_sequence_whose_ratio_product_exceeds_the_cap():
+    # products: seq 0 e^0.62 = 1.86 > 1.3 (weight 0), seq 1 e^-0.15 = 0.86 (every token weighted so)
+    w1 = e(-0.15)
+    loss, grad, metrics = loss_and_grad(batch(), LossConfig(tis_cap=1.3, tis_mode="sequence_mask"))
+    assert loss == approx((0.0 + 3 * (-w1 * -2) / 3) / 2)
+    assert grad[0] == approx([0.0] * 4) and grad[1] == approx([2 * w1 / 6] * 3 + [0.0])
+    assert metrics["tis_weight"] == approx(3 * w1)
+    loss, *_ = loss_and_grad(batch(), LossConfig(tis_cap=1.3, tis_mode="sequence_truncate"))
+    assert loss == approx((4 * -1.3 / 4 + 3 * (-w1 * -2) / 3) / 2)
+    loss, *_ = loss_and_grad(batch(), LossConfig(tis_cap=1.3, tis_mode="token_mask"))
+    w0, w1s = [0.0, e(-0.1), e(0.22), e(0.1)], [e(-0.5), 0.0, e(0.05)]  # 1.492 and 1.350 dropped
+    assert loss == approx((sum(-w for w in w0) / 4 + sum(2 * w for w in w1s) / 3) / 2)
+
+
+@pytest.mark.parametrize("estimator", ["k2", "k3"])
+def test_kl_ratio_multiplies_each_tokens_kl_by_the_policy_ratio(estimator):
+    kl = {"k2": lambda x: x * x / 2, "k3": lambda x: e(-x) + x - 1}[estimator]
+    r0, r1 = [e(d) for d in (0.4, -0.1, 0.22, 0.1)], [e(d) for d in (-0.5, 0.3, 0.05)]
+    k0 = [kl(x) * r for x, r in zip((0.1, -0.2, 0.0, 0.3), r0, strict=True)]
+    k1 = [kl(x) * r for x, r in zip((0.5, -0.1, 0.2), r1, strict=True)]
+    cfg = LossConfig(kl_coef=0.1, kl_estimator=estimator, kl_ratio=True)
+    loss, _, metrics = loss_and_grad(batch(), cfg)
+    assert loss == approx(((sum(G0) + 0.1 * sum(k0)) / 4 + (sum(G1) + 0.1 * sum(k1)) / 3) / 2)
+    assert metrics["kl"] == approx(sum(k0) + sum(k1))

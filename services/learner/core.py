@@ -78,6 +78,12 @@ def decode_samples(
             raise InvalidRequest(
                 f"{where}: advantage is {s.advantage:g}; |advantage| must be <= {MAX_ABS_ADVANTAGE:g}"
             )
+        if s.token_advantages and len(s.token_advantages) != n:
+            raise InvalidRequest(
+                f"{where}: {len(s.token_advantages)} token_advantages for {n} completion tokens"
+            )
+        if not all(abs(x) <= MAX_ABS_ADVANTAGE for x in s.token_advantages):  # also refuses NaN
+            raise InvalidRequest(f"{where}: token_advantages must be finite, |a| <= {MAX_ABS_ADVANTAGE:g}")
         if not all(-math.inf < x <= 0.0 for x in s.generator_logprobs):
             raise InvalidRequest(f"{where}: generator_logprobs must be finite log-probabilities (<= 0)")
         ids = list(s.prompt_token_ids) + list(s.completion_token_ids)
@@ -90,6 +96,7 @@ def decode_samples(
                 list(s.generator_logprobs),
                 float(s.advantage),
                 list(s.loss_mask),
+                list(s.token_advantages),
             )
         )
     return out

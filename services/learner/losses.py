@@ -1,7 +1,7 @@
 """Policy losses of the GRPO family, as pure functions of per-token tensors.
 
 Inputs are per-token tensors of shape [B, T] over completion tokens (``mask`` is 1 where a token
-counts) and per-sequence advantages [B]. The functions return a *partial sum*: the micro-batch's
+counts) and advantages per sequence [B] or per token [B, T]. The functions return a *partial sum*: the micro-batch's
 share of the global loss, already divided by the global normaliser (tokens or sequences of the
 whole step, over all ranks and micro-batches). Summing the returned values over micro-batches
 and ranks therefore gives exactly the loss of the full batch, whatever the split.
@@ -47,7 +47,7 @@ from relayrl.learner.config import LossConfig
 
 @dataclass
 class LossInputs:
-    """One micro-batch, all [B, T] except ``advantages`` [B]."""
+    """One micro-batch, all [B, T]; ``advantages`` [B, T] per token or [B] per sequence."""
 
     logprobs: torch.Tensor
     behavior_logprobs: torch.Tensor
@@ -172,7 +172,8 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, totals: Totals) -> tuple[torch
         loss = _aggregate(-inp.logprobs, mask, how, totals)
         return loss, {"clipped": 0.0, "kl": 0.0, "tis_weight": float(mask.sum())}
 
-    adv = inp.advantages.to(inp.logprobs.dtype)[:, None]
+    adv = inp.advantages.to(inp.logprobs.dtype)
+    adv = adv[:, None] if adv.ndim == 1 else adv
     live = mask > 0
     # Log-ratios are zeroed where the mask is 0 *before* exp: a masked token with a huge ratio
     # would give inf * 0 = NaN in the loss and its gradient. The clamp guards counted tokens

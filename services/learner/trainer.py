@@ -19,7 +19,7 @@ import random
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,6 +42,7 @@ class Sample:
     behavior_logprobs: list[float]
     advantage: float
     loss_mask: list[float]
+    token_advantages: list[float] = field(default_factory=list)  # replace ``advantage`` when set
 
 
 def ds_config(cfg: LearnerConfig, hidden_size: int) -> dict:
@@ -164,6 +165,7 @@ class Trainer:
         targets = torch.zeros(len(batch), width, dtype=torch.long)
         behavior = torch.zeros(len(batch), width, dtype=torch.float32)
         mask = torch.zeros(len(batch), width, dtype=torch.float32)
+        adv = torch.zeros(len(batch), width, dtype=torch.float32)
         for i, s in enumerate(batch):
             seq = s.prompt + s.completion
             ids[i, : len(seq)] = torch.tensor(seq)
@@ -172,7 +174,7 @@ class Trainer:
             if s.behavior_logprobs:
                 behavior[i, :n] = torch.tensor(s.behavior_logprobs)
             mask[i, :n] = torch.tensor(s.loss_mask) if s.loss_mask else 1.0
-        adv = torch.tensor([s.advantage for s in batch], dtype=torch.float32)
+            adv[i, :n] = torch.tensor(s.token_advantages) if s.token_advantages else s.advantage
         starts = [len(s.prompt) for s in batch]
         dev = self.device
         return (

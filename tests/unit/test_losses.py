@@ -249,3 +249,14 @@ def test_kl_ratio_multiplies_each_tokens_kl_by_the_policy_ratio(estimator):
     loss, _, metrics = loss_and_grad(batch(), cfg)
     assert loss == approx(((sum(G0) + 0.1 * sum(k0)) / 4 + (sum(G1) + 0.1 * sum(k1)) / 3) / 2)
     assert metrics["kl"] == approx(sum(k0) + sum(k1))
+
+
+def test_per_token_advantages_weigh_each_token_and_equal_the_broadcast_sequence_advantage():
+    same = batch(adv=[[1.0] * 4, [-2.0] * 4])
+    assert loss_and_grad(same, LossConfig())[:2] == loss_and_grad(batch(), LossConfig())[:2]
+    # per token, unclipped tokens of seq 0 (r = e^-0.1, e^0.1) with advantages 0.5 and -3:
+    # -min(r*A, clip(r)*A): A=-3 at r=e^0.1 (inside the clip range) gives 3 e^0.1
+    per_token = batch(adv=[[0.0, 0.5, 0.0, -3.0], [0.0, 0.0, 0.0, 0.0]])
+    loss, grad, _ = loss_and_grad(per_token, LossConfig())
+    assert loss == approx((-0.5 * e(-0.1) + 3 * e(0.1)) / 4 / 2)
+    assert grad[0] == approx([0.0, -0.5 * e(-0.1) / 8, 0.0, 3 * e(0.1) / 8])

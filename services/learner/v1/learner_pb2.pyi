@@ -7,20 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TrainSample(_message.Message):
-    __slots__ = ("prompt_token_ids", "completion_token_ids", "generator_logprobs", "advantage", "policy_version", "loss_mask")
+    __slots__ = ("prompt_token_ids", "completion_token_ids", "generator_logprobs", "advantage", "policy_version", "loss_mask", "token_advantages")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GENERATOR_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     completion_token_ids: _containers.RepeatedScalarFieldContainer[int]
     generator_logprobs: _containers.RepeatedScalarFieldContainer[float]
     advantage: float
     policy_version: int
     loss_mask: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., generator_logprobs: _Optional[_Iterable[float]] = ..., advantage: _Optional[float] = ..., policy_version: _Optional[int] = ..., loss_mask: _Optional[_Iterable[float]] = ...) -> None: ...
+    token_advantages: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., generator_logprobs: _Optional[_Iterable[float]] = ..., advantage: _Optional[float] = ..., policy_version: _Optional[int] = ..., loss_mask: _Optional[_Iterable[float]] = ..., token_advantages: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TrainStepRequest(_message.Message):
     __slots__ = ("run_id", "step", "samples")

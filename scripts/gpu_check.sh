@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The learner's GPU check: run the `gpu` tests and bench/learner.py on a CUDA machine and write
+# The GPU check: run the `gpu` tests, bench/sync_ipc.py and bench/learner.py on a CUDA machine and write
 # bench/results/gpu.md with the machine named.
 #
 #   bash scripts/gpu_check.sh                       # a machine with network: installs what is missing
@@ -34,6 +34,7 @@ out="bench/results/gpu.md"
 machine="$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1)"
 versions="$("$python" -c 'import torch, deepspeed; print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), NCCL {\".\".join(map(str, torch.cuda.nccl.version()))}, deepspeed {deepspeed.__version__}")')"
 tests="$("$python" -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -15 || true)"
+ipc="$("$python" bench/sync_ipc.py 2>&1 | tail -8)"
 bench="$("$python" bench/learner.py --sizes "${SIZES:-0.5b,1.5b}" --stages "${STAGES:-3,2}" --steps 4 2>&1 | tail -20)"
 {
   echo "# GPU check ($(date -u +%Y-%m-%d))"
@@ -43,6 +44,11 @@ bench="$("$python" bench/learner.py --sizes "${SIZES:-0.5b,1.5b}" --stages "${ST
   echo "## pytest -m gpu"
   echo '```'
   echo "$tests"
+  echo '```'
+  echo
+  echo "## bench/sync_ipc.py"
+  echo '```'
+  echo "$ipc"
   echo '```'
   echo
   echo "## bench/learner.py"

@@ -13,6 +13,8 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import struct
+import time
 from pathlib import Path
 
 ROOT = Path("/dev/shm")
@@ -82,6 +84,59 @@ class Segment:
             pass
         if self.owner:
             (ROOT / self.name).unlink(missing_ok=True)
+
+
+class ReadyTable:
+    """Completion marks of a pipelined push: 16 bytes per bucket at ``offset`` of a segment, a
+    mark and the bucket's checksum (little-endian uint64s). The learner writes bucket i, then its
+    checksum, then the mark: the push's id when the bucket is complete, the id with bit 63 set
+    when the push was given up. A reader waits for the mark and then checks the bytes against the
+    checksum, re-reading briefly on a mismatch (on weakly ordered CPUs the data may become visible
+    after the mark). Ids of later pushes differ, so marks left by an earlier push never match.
+
+    >>> seg = Segment.create(64, tag="doc")
+    >>> t = ReadyTable(seg, 0, 2)
+    >>> t.mark(1, push_id=7, checksum=99); t.wait(1, 7, time.monotonic() + 1)
+    99
+    >>> t.abort(7); t.wait(0, 7, time.monotonic() + 1)
+    Traceback (most recent call last):
+    ...
+    RuntimeError: the learner gave up push 7 before bucket 0 was complete
+    >>> seg.close()
+    """
+
+    ENTRY = 16
+    ABORTED = 1 << 63
+
+    def __init__(self, segment: Segment, offset: int, n: int):
+        if offset < 0 or offset + n * self.ENTRY > segment.size:
+            raise ValueError(f"a ready table of {n} buckets at {offset} does not fit segment {segment.name}")
+        self._mm, self.offset, self.n = segment._mm, offset, n
+
+    def mark(self, i: int, push_id: int, checksum: int) -> None:
+        at = self.offset + i * self.ENTRY
+        struct.pack_into("<Q", self._mm, at + 8, checksum)
+        struct.pack_into("<Q", self._mm, at, push_id)
+
+    def abort(self, push_id: int) -> None:
+        """Mark every bucket not yet complete as given up (readers stop waiting at once)."""
+        for i in range(self.n):
+            if struct.unpack_from("<Q", self._mm, self.offset + i * self.ENTRY)[0] != push_id:
+                struct.pack_into("<Q", self._mm, self.offset + i * self.ENTRY, push_id | self.ABORTED)
+
+    def wait(self, i: int, push_id: int, deadline: float) -> int:
+        """Wait until bucket ``i`` of push ``push_id`` is complete; returns its checksum."""
+        at, delay = self.offset + i * self.ENTRY, 1e-4
+        while True:
+            mark = struct.unpack_from("<Q", self._mm, at)[0]
+            if mark == push_id:
+                return struct.unpack_from("<Q", self._mm, at + 8)[0]
+            if mark == push_id | self.ABORTED:
+                raise RuntimeError(f"the learner gave up push {push_id} before bucket {i} was complete")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"bucket {i} of push {push_id} was not complete in time")
+            time.sleep(delay)
+            delay = min(delay * 2, 5e-3)
 
 
 def remove_orphans(tag: str) -> list[str]:

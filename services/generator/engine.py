@@ -109,6 +109,8 @@ class BucketSource:
 
     shm_segment: str = ""
     shm_offsets: tuple[int, ...] = ()
+    shm_push_id: int = 0  # non-zero: pipelined, wait for each bucket's mark in the ready table
+    shm_ready_offset: int = 0
     ipc: tuple[Shared, ...] = ()
 
 

@@ -42,6 +42,7 @@ class _Sync:
     transport: str
     rank: int = 0
     num_ranks: int = 0
+    timeout_s: float = 300.0  # how long a pipelined shared-memory push may wait for a bucket
 
 
 class VLLMEngine:
@@ -347,7 +348,7 @@ class VLLMEngine:
                 await self._llm.collective_rpc("relayrl_probe_ipc", args=(probe, spec.probe_checksum))
         except Exception as e:
             raise FailedPrecondition(f"{spec.transport} cannot reach this replica: {e}") from None
-        self._sync = _Sync(spec.transport)
+        self._sync = _Sync(spec.transport, timeout_s=spec.timeout_s)
         return 0, self._num_workers
 
     async def close_weight_sync(self) -> None:
@@ -383,7 +384,8 @@ class VLLMEngine:
         elif self._sync.transport == "shm" and source.shm_segment:
             if len(source.shm_offsets) != len(buckets):
                 raise InvalidRequest(f"{len(source.shm_offsets)} shm offsets for {len(buckets)} buckets")
-            method, where = "relayrl_read_shm", (source.shm_segment, list(source.shm_offsets))
+            ready = (source.shm_push_id, source.shm_ready_offset, self._sync.timeout_s)
+            method, where = "relayrl_read_shm", (source.shm_segment, list(source.shm_offsets), *ready)
         elif self._sync.transport == "ipc" and source.ipc:
             if len(source.ipc) != len(buckets):
                 raise InvalidRequest(f"{len(source.ipc)} IPC buffers for {len(buckets)} buckets")

@@ -171,7 +171,14 @@ def source_from_proto(r: generator_pb2.UpdateWeightsRequest, n_buckets: int) -> 
             raise InvalidRequest(f"shm.segment {bounded(r.shm.segment, 140)!r} is not a relayrl segment name")
         if len(r.shm.offsets) != n_buckets:
             raise InvalidRequest(f"shm.offsets has {len(r.shm.offsets)} entries for {n_buckets} buckets")
-        return BucketSource(shm_segment=r.shm.segment, shm_offsets=tuple(r.shm.offsets))
+        if r.shm.push_id >= 1 << 63:
+            raise InvalidRequest("shm.push_id must be below 2^63")
+        return BucketSource(
+            shm_segment=r.shm.segment,
+            shm_offsets=tuple(r.shm.offsets),
+            shm_push_id=r.shm.push_id,
+            shm_ready_offset=r.shm.ready_offset,
+        )
     if kind == "ipc":
         if len(r.ipc.buffers) != n_buckets:
             raise InvalidRequest(f"ipc.buffers has {len(r.ipc.buffers)} entries for {n_buckets} buckets")

@@ -14,13 +14,14 @@ inside the iterator, so at most one bucket plus one layer's weights are staged a
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 
 import torch
 from relayrl.common import weightsync as ws
 from relayrl.common.cudaipc import Shared, open_shared
 from relayrl.common.placement import gpu_uuid
-from relayrl.common.shm import Segment
+from relayrl.common.shm import ReadyTable, Segment
 
 logger = logging.getLogger(__name__)
 
@@ -114,17 +115,44 @@ class WeightSyncExtension:
         buckets = plan_from_wire(plan)
         return self._relayrl_take(buckets, self._relayrl_buffers(pg, buckets), load)
 
-    def relayrl_read_shm(self, plan: list[dict], segment: str, offsets: list[int], load: bool):
-        """The buckets of ``plan`` from the learner's shared-memory segment, at ``offsets``."""
+    def relayrl_read_shm(
+        self,
+        plan: list[dict],
+        segment: str,
+        offsets: list[int],
+        push_id: int,
+        ready_offset: int,
+        timeout_s: float,
+        load: bool,
+    ):
+        """The buckets of ``plan`` from the learner's shared-memory segment, at ``offsets``; with a
+        ``push_id`` each is taken as soon as the ready table marks it complete (the learner is
+        still packing the next ones: loading overlaps gathering)."""
         buckets = plan_from_wire(plan)
         seg = Segment.attach(segment)
         try:
             whole = seg.view()
             if any(o + b.nbytes > seg.size for b, o in zip(buckets, offsets, strict=True)):
                 raise ValueError(f"plan does not fit segment {segment} ({seg.size} bytes)")
-            sources = ((b, whole[o : o + b.nbytes]) for b, o in zip(buckets, offsets, strict=True))
-            result = self._relayrl_take(buckets, sources, load)
-            del whole, sources
+            table = ReadyTable(seg, ready_offset, len(buckets)) if push_id else None
+            deadline = time.monotonic() + timeout_s
+
+            def sources():
+                for i, (b, o) in enumerate(zip(buckets, offsets, strict=True)):
+                    buf = whole[o : o + b.nbytes]
+                    if table is None:
+                        yield b, buf, None
+                        continue
+                    expected = table.wait(i, push_id, deadline)
+                    # The mark may become visible before the bytes on weakly ordered CPUs (ARM):
+                    # re-read briefly; a lasting mismatch goes back to the learner (DATA_LOSS).
+                    settle = time.monotonic() + 1.0
+                    while (got := ws.checksum(buf)) != expected and time.monotonic() < settle:
+                        time.sleep(1e-3)
+                    yield b, buf, got
+
+            result = self._relayrl_take(buckets, sources(), load)
+            whole = None  # release the view before unmapping
             return result
         finally:
             seg.close()
@@ -133,7 +161,7 @@ class WeightSyncExtension:
         """The buckets of ``plan`` from the learner's CUDA buffers (one per bucket, same GPU)."""
         buckets = plan_from_wire(plan)
         index = self._relayrl_model_device().index or 0
-        sources = ((b, open_shared(Shared(**s), index)) for b, s in zip(buckets, shared, strict=True))
+        sources = ((b, open_shared(Shared(**s), index), None) for b, s in zip(buckets, shared, strict=True))
         return self._relayrl_take(buckets, sources, load)
 
     def _relayrl_take(self, buckets: list[ws.Bucket], sources, load: bool) -> tuple[int, list[int]]:
@@ -141,8 +169,8 @@ class WeightSyncExtension:
         just read them through). Returns the bytes taken and the checksums."""
         self._relayrl_checksums = []
         if not load:
-            for _b, buf in sources:
-                self._relayrl_checksums.append(ws.checksum(buf))
+            for _b, buf, known in sources:
+                self._relayrl_checksums.append(ws.checksum(buf) if known is None else known)
         else:
             # Resolve the device now: during a layerwise reload the model's parameters sit on
             # the meta device, so asking them inside the iterator would give "meta".
@@ -151,7 +179,9 @@ class WeightSyncExtension:
             self._relayrl_refresh_tied()
         return sum(b.nbytes for b in buckets), self._relayrl_checksums
 
-    def _relayrl_buffers(self, pg, buckets: list[ws.Bucket]) -> Iterator[tuple[ws.Bucket, torch.Tensor]]:
+    def _relayrl_buffers(
+        self, pg, buckets: list[ws.Bucket]
+    ) -> Iterator[tuple[ws.Bucket, torch.Tensor, None]]:
         """Received buckets in order. The next bucket's broadcast is posted before the current
         one is handed out, so receiving overlaps with loading (double buffering)."""
 
@@ -165,12 +195,12 @@ class WeightSyncExtension:
             work.wait()
             if i + 1 < len(buckets):
                 nxt = post(buckets[i + 1])
-            yield b, buf
+            yield b, buf, None
 
     def _relayrl_stream(self, sources, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
         bad = None
-        for b, buf in sources:
-            self._relayrl_checksums.append(ws.checksum(buf))
+        for b, buf, known in sources:
+            self._relayrl_checksums.append(ws.checksum(buf) if known is None else known)
             if bad is not None:
                 continue  # drain the rest: the sender must not be left blocked mid-broadcast
             tensors = ws.unpack(b, buf.to(device))

@@ -11,7 +11,7 @@ this one; it is reported at the end, training unharmed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +37,7 @@ class Sinks:
     shm: torch.Tensor | None = None
     shm_offsets: tuple[int, ...] = ()
     ipc: list[torch.Tensor] | None = None
+    on_ready: Callable[[int, int], None] | None = None  # (bucket index, checksum) once it is in shm
 
     def __bool__(self) -> bool:
         return bool(self.groups) or self.shm is not None or bool(self.ipc)
@@ -57,6 +58,8 @@ def send_buckets(
             sums.append(ws.checksum(buf))
             if sinks.shm is not None and buf.device.type != "cpu":  # staged on a GPU for IPC
                 _at(sinks, i, b).copy_(buf)
+            if sinks.on_ready is not None:
+                sinks.on_ready(i, sums[-1])
             works = []
             for g in sinks.groups:
                 gbuf = buf if buf.device == torch.device(g.device) else buf.to(g.device)

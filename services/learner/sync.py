@@ -31,7 +31,7 @@ from relayrl.common.placement import gpu_uuid, host_id
 from relayrl.common.rpc import DataLoss, FailedPrecondition, ServiceError, Unavailable
 from relayrl.common.security import client_channel
 from relayrl.common.serving import ClientSecurity
-from relayrl.common.shm import Segment
+from relayrl.common.shm import ReadyTable, Segment
 from relayrl.common.tensors import plan_to_proto, shared_to_proto
 from relayrl.generator.v1 import generator_pb2 as g
 from relayrl.generator.v1 import generator_pb2_grpc as gg
@@ -85,6 +85,7 @@ class WeightSync:
         self.groups: dict[str, WeightGroup] = {}
         self._segment: Segment | None = None
         self._ipc: tuple[list, list] | None = None  # (CUDA buffers, their sharing fields)
+        self._push_id = 0  # pushes through the staging segment so far (marks in its ready table)
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     # -- membership ------------------------------------------------------------------------
@@ -244,8 +245,9 @@ class WeightSync:
         return self.groups[backend]
 
     # -- staging -----------------------------------------------------------------------------
-    def _shm_staging(self, buckets: list[ws.Bucket]) -> tuple[Segment, tuple[int, ...]]:
-        offsets, end = [], 0
+    def _shm_staging(self, buckets: list[ws.Bucket]) -> tuple[Segment, tuple[int, ...], ReadyTable]:
+        """The staging segment: the ready table at offset 0, then the buckets."""
+        offsets, end = [], -(-len(buckets) * ReadyTable.ENTRY // ws.ALIGN) * ws.ALIGN
         for b in buckets:
             offsets.append(end)
             end = -(-(end + b.nbytes) // ws.ALIGN) * ws.ALIGN
@@ -253,7 +255,7 @@ class WeightSync:
             if self._segment is not None:
                 self._segment.close()
             self._segment = Segment.create(end)
-        return self._segment, tuple(offsets)
+        return self._segment, tuple(offsets), ReadyTable(self._segment, 0, len(buckets))
 
     def _ipc_staging(self, buckets: list[ws.Bucket]) -> tuple[list, list]:
         import torch
@@ -292,12 +294,17 @@ class WeightSync:
         )
         sinks = Sinks(groups=[self.groups[b] for b in sorted(self.groups)])
         after = {r: base for r, t in self.transports.items() if t in GROUP_BACKEND}
+        table = None
         if any(t == "shm" for t in self.transports.values()):
-            seg, offsets = self._shm_staging(buckets)
+            seg, offsets, table = self._shm_staging(buckets)
+            self._push_id += 1
+            push_id = self._push_id
             sinks.shm, sinks.shm_offsets = seg.view(writable=True), offsets
+            sinks.on_ready = lambda i, checksum: table.mark(i, push_id, checksum)
             req = g.UpdateWeightsRequest()
             req.CopyFrom(base)
             req.shm.segment, req.shm.offsets[:] = seg.name, offsets
+            req.shm.push_id, req.shm.ready_offset = push_id, 0
             after.update({r: req for r, t in self.transports.items() if t == "shm"})
         if any(t == "ipc" for t in self.transports.values()):
             bufs, shared = self._ipc_staging(buckets)
@@ -314,11 +321,15 @@ class WeightSync:
                 self._stub(r).UpdateWeights(after[r], timeout=self.deadline_s, metadata=meta)
             )
 
-        grouped = sorted(r for r, t in self.transports.items() if t in GROUP_BACKEND)
-        calls = {r: call(r) for r in grouped}  # they receive while the learner sends
+        # Group members receive while the learner sends; shared-memory replicas load each bucket
+        # as the ready table marks it, while the learner gathers the next.
+        early = sorted(r for r, t in self.transports.items() if t in GROUP_BACKEND or t == "shm")
+        calls = {r: call(r) for r in early}
         try:
             sent, sums = await collective(sinks)
         except Exception:
+            if table is not None:
+                table.abort(push_id)  # shared-memory readers stop waiting at once
             for c in calls.values():
                 c.cancel()
             for backend in list(self.groups):

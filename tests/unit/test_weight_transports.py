@@ -10,7 +10,7 @@ import pytest
 import torch
 from relayrl.common import weightsync as ws
 from relayrl.common.placement import host_id
-from relayrl.common.shm import ROOT, Segment, valid_name
+from relayrl.common.shm import ROOT, ReadyTable, Segment, valid_name
 from relayrl.learner.transports import Place, choose
 
 CPU_A, CPU_B = Place("host-a", "cpu"), Place("host-b", "cpu")
@@ -108,3 +108,80 @@ def test_a_dead_creators_segment_is_removed_by_the_next_one():
         assert not (ROOT / name).exists() and (ROOT / fresh.name).exists()
     finally:
         fresh.close()
+
+
+def _wait_all(name: str, n: int, size: int, push_id: int, out) -> None:
+    import time as _time
+
+    seg = Segment.attach(name)
+    try:
+        table, view = ReadyTable(seg, 0, n), seg.view()
+        got = []
+        for i in range(n):
+            try:
+                expected = table.wait(i, push_id, _time.monotonic() + 20)
+            except (RuntimeError, TimeoutError) as e:
+                got.append(str(e))
+                break
+            data = view[64 + i * size : 64 + (i + 1) * size]
+            got.append((expected, ws.checksum(data), _time.monotonic()))
+        out.put(got)
+        del view
+    finally:
+        seg.close()
+
+
+def test_a_pipelined_push_is_read_bucket_by_bucket_as_the_ready_table_marks_them():
+    """The reader takes bucket i as soon as it is marked, while later ones are still being written;
+    marks of an earlier push never pass for this one; a push given up stops the reader at once."""
+    import time
+
+    n, size = 3, 4096
+    seg = Segment.create(64 + n * size)
+    try:
+        table, view = ReadyTable(seg, 0, n), seg.view(writable=True)
+        for i in range(n):  # push 1 complete: its marks stay in the table
+            table.mark(i, 1, 0)
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=_wait_all, args=(seg.name, n, size, 2, q))
+        p.start()
+        time.sleep(2.0)  # the reader is up and waiting: push 1's marks did not satisfy it
+        marked = []
+        for i in range(n):
+            data = view[64 + i * size : 64 + (i + 1) * size]
+            data.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
+            table.mark(i, 2, ws.checksum(data))
+            marked.append(time.monotonic())
+            time.sleep(0.5)
+        got = q.get(timeout=60)
+        p.join(30)
+        assert [(e, c) for e, c, _ in got] == [
+            (ws.checksum(view[64 + i * size : 64 + (i + 1) * size]),) * 2 for i in range(n)
+        ]
+        # bucket 0 was read before bucket 2 had been written: the reader did not wait for all
+        assert got[0][2] < marked[2]
+
+        p = ctx.Process(target=_wait_all, args=(seg.name, n, size, 3, q))
+        p.start()
+        table.mark(0, 3, ws.checksum(view[64 : 64 + size]))
+        table.abort(3)
+        got = q.get(timeout=60)
+        p.join(30)
+        assert len(got) == 2 and got[1] == "the learner gave up push 3 before bucket 1 was complete"
+        del view
+    finally:
+        seg.close()
+
+
+def test_waiting_for_a_bucket_never_marked_ends_at_the_deadline():
+    import time
+
+    seg = Segment.create(64)
+    try:
+        with pytest.raises(TimeoutError, match="bucket 0 of push 5 was not complete in time"):
+            ReadyTable(seg, 0, 1).wait(0, 5, time.monotonic() + 0.2)
+        with pytest.raises(ValueError, match="does not fit"):
+            ReadyTable(seg, 0, 5)
+    finally:
+        seg.close()

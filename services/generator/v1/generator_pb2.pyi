@@ -98,12 +98,16 @@ class GetStatusResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., replica_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., max_model_len: _Optional[int] = ..., ready: _Optional[bool] = ..., swapping: _Optional[bool] = ..., weight_sync_open: _Optional[bool] = ..., weight_sync_ranks: _Optional[int] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., weight_transport: _Optional[_Union[WeightTransport, str]] = ...) -> None: ...
 
 class SharedMemoryBuckets(_message.Message):
-    __slots__ = ("segment", "offsets")
+    __slots__ = ("segment", "offsets", "push_id", "ready_offset")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    READY_OFFSET_FIELD_NUMBER: _ClassVar[int]
     segment: str
     offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, segment: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+    push_id: int
+    ready_offset: int
+    def __init__(self, segment: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ..., push_id: _Optional[int] = ..., ready_offset: _Optional[int] = ...) -> None: ...
 
 class CudaIpcBuckets(_message.Message):
     __slots__ = ("buffers",)

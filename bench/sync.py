@@ -1,11 +1,12 @@
 """Weight sync: PushWeights against the raw transport of the same bytes, per transport, one run.
 
-    python bench/sync.py [--sizes 10m,100m] [--transports shm,gloo] [--repeats 3] [--bucket-mb 64]
+    python bench/sync.py [--sizes 10m,100m] [--transports shm,gloo] [--repeats 3] [--rounds 2] [--bucket-mb 64]
 
 For each model size and transport a learner (1 rank, ZeRO-3, ``weight_sync_transport`` forced)
 and a generator (vLLM) run as services, as in production. ``PushWeights`` is timed end to end:
 gather the ZeRO-3 shards, pack buckets, send them (gloo: broadcast over the weight-sync group;
-shm: write them into the shared-memory segment), receive and load into vLLM, answer. The
+shm: write them into the shared-memory segment and mark each in its ready table; the replica
+loads each bucket as it is marked while the learner gathers the next), load into vLLM, answer. The
 baseline is ``PushWeights(transport_only)`` between the same two processes over the same
 transport: the same buckets of bytes sent and read (a broadcast, or a plain copy into and out of
 shared memory), nothing gathered, packed or loaded. Last lines: ``sync_vs_raw_broadcast_ratio``
@@ -88,20 +89,27 @@ def measure(name: str, model: str, repeats: int, bucket_mb: float, tmp: Path, tr
                 base.append(raw.seconds)
                 push_cpu.append(c1 - c0)
                 base_cpu.append(c2 - c1)
-    nbytes = r.bytes
-    p, b = statistics.median(push), statistics.median(base)
-    pc, bc = statistics.median(push_cpu), statistics.median(base_cpu)
-    floor = pc / (os.cpu_count() or 1) / b
+    return {"bytes": r.bytes, "push": push, "raw": base, "push_cpu": push_cpu, "raw_cpu": base_cpu}
+
+
+def summarise(name: str, transport: str, runs: list[dict]) -> dict:
+    """Medians over every round's samples of one model and transport."""
+
+    def med(key: str) -> float:
+        return statistics.median(x for r in runs for x in r[key])
+
+    p, b = med("push"), med("raw")
     return {
         "transport": transport,
         "name": name,
-        "bytes": nbytes,
+        "bytes": runs[0]["bytes"],
         "push": p,
         "raw": b,
         "ratio": p / b,
-        "push_cpu": pc,
-        "raw_cpu": bc,
-        "floor": floor,
+        "push_cpu": med("push_cpu"),
+        "raw_cpu": med("raw_cpu"),
+        "floor": med("push_cpu") / (os.cpu_count() or 1) / b,
+        "samples": sum(len(r["push"]) for r in runs),
     }
 
 
@@ -111,6 +119,12 @@ def main() -> None:
     ap.add_argument("--transports", default="shm,gloo", help="those this machine can run: shm, gloo")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=64)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="measure the transports this many times each, in alternating order (shared machines drift)",
+    )
     args = ap.parse_args()
     import relayrl  # noqa: F401
     from relayrl.common.modelkit.tiny import TinySpec, write_tiny_model
@@ -120,8 +134,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.sizes.split(","):
             model = write_tiny_model(Path(tmp) / name, seed=0, spec=TinySpec(**SIZES[name]))
-            for transport in args.transports.split(","):
-                res = measure(name, str(model), args.repeats, args.bucket_mb, Path(tmp), transport)
+            transports = args.transports.split(",")
+            runs: dict[str, list[dict]] = {t: [] for t in transports}
+            for k in range(args.rounds):
+                for transport in transports if k % 2 == 0 else transports[::-1]:
+                    runs[transport].append(
+                        measure(name, str(model), args.repeats, args.bucket_mb, Path(tmp), transport)
+                    )
+            for transport in transports:
+                res = summarise(name, transport, runs[transport])
                 results.append(res)
                 gb = res["bytes"] / 1e9
                 rows.append(
@@ -155,7 +176,7 @@ def main() -> None:
         ],
         rows,
         title=f"weight sync, learner (1 rank) -> 1 generator on this host, buckets {args.bucket_mb} MiB, "
-        f"median of {args.repeats}, {os.cpu_count()} cores",
+        f"median of {args.rounds} rounds x {args.repeats} pushes in alternating order, {os.cpu_count()} cores",
     )
     last = {r["transport"]: r for r in results if r["name"] == results[-1]["name"]}
     if "gloo" in last:

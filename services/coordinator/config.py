@@ -89,8 +89,12 @@ class SamplingSection(StrictModel):
 class AlgorithmSection(StrictModel):
     """How rewards become advantages."""
 
-    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
-    """grpo: (r - group mean) / group std; drgrpo: r - group mean; rloo: leave-one-out baseline."""
+    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp"] = "grpo"
+    """grpo: (r - group mean) / group std; drgrpo: r - group mean; rloo: leave-one-out baseline;
+    reinforce_pp: REINFORCE++, token-level returns whitened over the whole batch (no group
+    baseline; a KL to the reference goes in the learner's loss, ``learner.loss.kl_coef``)."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """reinforce_pp: discount of the token-level returns (1: every token gets the score)."""
     scale_std: bool = True
     """grpo only: divide by the group's reward std (off = Dr.GRPO's unbiased variant)."""
 

@@ -34,6 +34,7 @@ from relayrl.common.v1 import common_pb2
 from relayrl.coordinator.advantages import advantages
 from relayrl.coordinator.clients import GeneratorPool, LearnerClient, RewardPool
 from relayrl.coordinator.config import ExperimentConfig
+from relayrl.coordinator.token_advantages import reinforce_pp
 from relayrl.generator.v1 import generator_pb2 as g
 from relayrl.learner.v1 import learner_pb2 as lp
 from relayrl.reward.v1 import reward_pb2 as rw
@@ -176,8 +177,10 @@ class Experiment:
         return Rollout(groups, {"generate": t1 - t0, "score": t2 - t1}, tokens)
 
     def train_batch(self, ro: Rollout) -> tuple[list[lp.TrainSample], dict[str, float]]:
-        """Advantages per group; stale groups dropped; groups without signal left out."""
+        """Advantages per group (REINFORCE++: per token over the batch); stale groups dropped;
+        groups without signal left out."""
         out, dropped, flat, lags = [], 0, 0, []
+        per_batch, kept = self.cfg.algorithm.advantage == "reinforce_pp", []
         for _row, samples, results in ro.groups:
             lag = max(self.version - version_of(s) for s in samples)
             if lag > self.cfg.schedule.max_staleness:
@@ -185,6 +188,9 @@ class Experiment:
                 continue
             lags += [self.version - version_of(s) for s in samples]
             rewards = [r.reward if r.status == rw.SCORE_STATUS_OK else 0.0 for r in results]
+            if per_batch:  # advantages come from the whole batch, below
+                kept += [(s, rew) for s, rew in zip(samples, rewards, strict=True)]
+                continue
             adv = advantages(rewards, self.cfg.algorithm.advantage, self.cfg.algorithm.scale_std)
             if all(a == 0 for a in adv):
                 flat += 1  # equal rewards: zero gradient, only cost
@@ -198,6 +204,19 @@ class Experiment:
                     policy_version=version_of(s),
                 )
                 for s, a in zip(samples, adv, strict=True)
+            ]
+        if kept:
+            lengths = [len(s.completion_token_ids) for s, _ in kept]
+            token_adv = reinforce_pp([r for _, r in kept], lengths, self.cfg.algorithm.gamma)
+            out = [
+                lp.TrainSample(
+                    prompt_token_ids=s.prompt_token_ids,
+                    completion_token_ids=s.completion_token_ids,
+                    generator_logprobs=s.logprobs,
+                    token_advantages=a.tolist(),
+                    policy_version=version_of(s),
+                )
+                for (s, _), a in zip(kept, token_adv, strict=True)
             ]
         return out, {
             "dropped_stale_groups": dropped,

@@ -167,3 +167,18 @@ def adaptive_kl_coef(coef: float, observed_kl: float, target: float, horizon: fl
         raise ValueError("target and horizon must be > 0")
     error = min(max(observed_kl / target - 1.0, -0.2), 0.2)
     return coef * (1.0 + error * n_steps / horizon)
+
+
+def reinforce_pp(scores: Sequence[float], lengths: Sequence[int], gamma: float = 1.0) -> list[np.ndarray]:
+    """REINFORCE++ token advantages of a batch (verl's ``reinforce_plus_plus`` with the KL in the
+    loss rather than in the reward): each sample's score on its last token, returns-to-go with
+    ``gamma``, whitened over every token of the batch. No per-prompt baseline: the batch's
+    statistics are the baseline, so groups whose samples all scored the same still teach.
+
+    >>> [np.round(a, 4).tolist() for a in reinforce_pp([1.0, 0.0], [2, 1])]
+    [[0.5774, 0.5774], [-1.1547]]
+    """
+    if len(scores) != len(lengths):
+        raise ValueError(f"{len(scores)} scores for {len(lengths)} samples")
+    returns = [discounted_returns(shaped_rewards(s, n), gamma) for s, n in zip(scores, lengths, strict=True)]
+    return whiten(returns)

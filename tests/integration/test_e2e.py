@@ -91,6 +91,23 @@ def test_grpo_raises_heldout_accuracy_then_resumes(workspace):
     assert steps[-1]["policy_version"] > version
 
 
+def test_reinforce_pp_trains_on_per_token_advantages_and_raises_heldout_accuracy(workspace):
+    """REINFORCE++ (token-level returns whitened over the batch) through the whole system: the
+    learner takes per-token advantages and the policy learns (0.648 -> 0.766 here when written,
+    at 12 and at 16 steps; the bound leaves half of that rise as margin)."""
+    root, exp = workspace
+    over = ["--set", "name=rpp", "--set", "algorithm.advantage=reinforce_pp"]
+    over += ["--set", "schedule.steps=12", "--set", "schedule.eval_every=6"]
+    res = _relayrl("run", str(exp), *over, cwd=root)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    recs = _records(next((root / "runs").glob("rpp-*")))
+    evals = [r["eval_accuracy"] for r in recs if "eval_accuracy" in r]
+    steps = [r for r in recs if "reward_mean" in r]
+    assert len(steps) == 12 and all(r["train_samples"] > 0 for r in steps)
+    assert all(r["zero_signal_groups"] == 0 for r in steps)  # no group baseline: every group trains
+    assert evals[-1] >= evals[0] + 0.05, f"held-out accuracy did not rise: {evals}"
+
+
 def _programmatic(root: Path, exp: Path, overrides: list[str], on_record):
     """Run the coordinator in this process against embedded services the test can kill."""
     from relayrl.coordinator.config import load_experiment

@@ -26,30 +26,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table
 
-# Qwen2.5-0.5B: hidden 896, 24 layers, 14 heads (2 KV), MLP 4864, vocabulary 151936 (tied).
-HIDDEN, LAYERS, HEADS, KV, MLP, VOCAB = 896, 24, 14, 2, 4864, 151936
 
+def metas(dtype: str) -> list:
+    """Names and shapes of the 0.5B model's parameters (``bench/learner.py``'s Qwen2.5-0.5B shape,
+    tied embeddings), from a model on the meta device: nothing is allocated."""
+    import torch
+    from relayrl.common import weightsync as ws
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-def shapes() -> list[tuple[str, tuple[int, ...]]]:
-    head = HIDDEN // HEADS
-    out = [("model.embed_tokens.weight", (VOCAB, HIDDEN))]
-    for i in range(LAYERS):
-        p = f"model.layers.{i}."
-        out += [
-            (p + "self_attn.q_proj.weight", (HIDDEN, HIDDEN)),
-            (p + "self_attn.q_proj.bias", (HIDDEN,)),
-            (p + "self_attn.k_proj.weight", (KV * head, HIDDEN)),
-            (p + "self_attn.k_proj.bias", (KV * head,)),
-            (p + "self_attn.v_proj.weight", (KV * head, HIDDEN)),
-            (p + "self_attn.v_proj.bias", (KV * head,)),
-            (p + "self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
-            (p + "mlp.gate_proj.weight", (MLP, HIDDEN)),
-            (p + "mlp.up_proj.weight", (MLP, HIDDEN)),
-            (p + "mlp.down_proj.weight", (HIDDEN, MLP)),
-            (p + "input_layernorm.weight", (HIDDEN,)),
-            (p + "post_attention_layernorm.weight", (HIDDEN,)),
-        ]
-    return out + [("model.norm.weight", (HIDDEN,))]
+    from bench.learner import SHAPES
+
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(Qwen2Config(**SHAPES["0.5b"][0], tie_word_embeddings=True))
+    return [ws.TensorMeta(n, dtype, tuple(p.shape)) for n, p in model.named_parameters()]
 
 
 def receiver(conn, dtype: str, bucket_bytes: int) -> None:
@@ -58,9 +47,9 @@ def receiver(conn, dtype: str, bucket_bytes: int) -> None:
     from relayrl.common.cudaipc import Shared, open_shared
 
     torch.cuda.set_device(0)
-    metas = [ws.TensorMeta(n, dtype, s) for n, s in shapes()]
-    buckets = ws.plan_buckets(metas, bucket_bytes)
-    params = {m.name: torch.empty(m.shape, dtype=ws.torch_dtype(dtype), device="cuda:0") for m in metas}
+    plan = metas(dtype)
+    buckets = ws.plan_buckets(plan, bucket_bytes)
+    params = {m.name: torch.empty(m.shape, dtype=ws.torch_dtype(dtype), device="cuda:0") for m in plan}
     bufs = [open_shared(Shared(**f), 0) for f in conn.recv()]
     conn.send("ready")
     while conn.recv() == "push":
@@ -91,10 +80,10 @@ def main() -> None:
 
     torch.cuda.set_device(0)
     bucket_bytes = int(args.bucket_mb * (1 << 20))
-    metas = [ws.TensorMeta(n, args.dtype, s) for n, s in shapes()]
-    buckets = ws.plan_buckets(metas, bucket_bytes)
+    plan = metas(args.dtype)
+    buckets = ws.plan_buckets(plan, bucket_bytes)
     dt = ws.torch_dtype(args.dtype)
-    params = {m.name: torch.randn(m.shape, device="cuda:0").to(dt) for m in metas}
+    params = {m.name: torch.randn(m.shape, device="cuda:0").to(dt) for m in plan}
     staging = [torch.empty(b.nbytes, dtype=torch.uint8, device="cuda:0") for b in buckets]
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()

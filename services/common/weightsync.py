@@ -52,6 +52,15 @@ class Bucket:
     nbytes: int
 
 
+def aligned(n: int) -> int:
+    """``n`` rounded up to a multiple of ``ALIGN``.
+
+    >>> aligned(0), aligned(1), aligned(64), aligned(65)
+    (0, 64, 64, 128)
+    """
+    return -(-n // ALIGN) * ALIGN
+
+
 SOLO_BYTES = 4 << 20  # tensors this large travel alone: broadcast in place, no packing copy
 
 
@@ -85,7 +94,7 @@ def plan_buckets(
                 cur, offs, end = [], [], 0
             buckets.append(Bucket((meta,), (0,), meta.nbytes))
             continue
-        start = -(-end // ALIGN) * ALIGN if cur else 0
+        start = aligned(end) if cur else 0
         if cur and start + meta.nbytes > bucket_bytes:
             buckets.append(Bucket(tuple(cur), tuple(offs), end))
             cur, offs, start = [], [], 0

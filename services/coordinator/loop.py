@@ -79,6 +79,17 @@ def version_of(s: common_pb2.Sample) -> int:
     return min([s.policy_version, *(sp.version for sp in s.version_spans)])
 
 
+def train_sample(s: common_pb2.Sample, **advantage) -> lp.TrainSample:
+    """The learner's sample for a generated one, with ``advantage`` or ``token_advantages``."""
+    return lp.TrainSample(
+        prompt_token_ids=s.prompt_token_ids,
+        completion_token_ids=s.completion_token_ids,
+        generator_logprobs=s.logprobs,
+        policy_version=version_of(s),
+        **advantage,
+    )
+
+
 class Experiment:
     def __init__(
         self,
@@ -195,27 +206,12 @@ class Experiment:
             if all(a == 0 for a in adv):
                 flat += 1  # equal rewards: zero gradient, only cost
                 continue
-            out += [
-                lp.TrainSample(
-                    prompt_token_ids=s.prompt_token_ids,
-                    completion_token_ids=s.completion_token_ids,
-                    generator_logprobs=s.logprobs,
-                    advantage=a,
-                    policy_version=version_of(s),
-                )
-                for s, a in zip(samples, adv, strict=True)
-            ]
+            out += [train_sample(s, advantage=a) for s, a in zip(samples, adv, strict=True)]
         if kept:
             lengths = [len(s.completion_token_ids) for s, _ in kept]
             token_adv = reinforce_pp([r for _, r in kept], lengths, self.cfg.algorithm.gamma)
             out = [
-                lp.TrainSample(
-                    prompt_token_ids=s.prompt_token_ids,
-                    completion_token_ids=s.completion_token_ids,
-                    generator_logprobs=s.logprobs,
-                    token_advantages=a.tolist(),
-                    policy_version=version_of(s),
-                )
+                train_sample(s, token_advantages=a.tolist())
                 for (s, _), a in zip(kept, token_adv, strict=True)
             ]
         return out, {

@@ -8,9 +8,10 @@ cannot work is refused there with the reason (after trying the next one down in 
 IPC -> shared memory, shared memory -> gloo), never at a push.
 
 A push: every group is formed with exactly its members; group members get
-``UpdateWeights(version, plan)`` and the collective gather + send runs (``push.send_buckets``:
-broadcasts, and the bytes written into the shared-memory segment and IPC buffers); then the
-shared-memory and IPC members get ``UpdateWeights`` naming where the buckets are. The staging
+``UpdateWeights(version, plan)``, shared-memory members ``UpdateWeights`` naming the segment and
+its ready table, and the collective gather + send runs (``push.send_buckets``: broadcasts, the
+bytes written into the segment and marked ready bucket by bucket, and into the IPC buffers);
+then the IPC members get ``UpdateWeights`` naming the buffers. The staging
 segment and buffers are reused at the next push only after every member answered. A member that
 fails is dropped from its transport (its group re-forms without it) and the push reports
 UNAVAILABLE naming it, after the others got the version.
@@ -247,10 +248,10 @@ class WeightSync:
     # -- staging -----------------------------------------------------------------------------
     def _shm_staging(self, buckets: list[ws.Bucket]) -> tuple[Segment, tuple[int, ...], ReadyTable]:
         """The staging segment: the ready table at offset 0, then the buckets."""
-        offsets, end = [], -(-len(buckets) * ReadyTable.ENTRY // ws.ALIGN) * ws.ALIGN
+        offsets, end = [], ws.aligned(len(buckets) * ReadyTable.ENTRY)
         for b in buckets:
             offsets.append(end)
-            end = -(-(end + b.nbytes) // ws.ALIGN) * ws.ALIGN
+            end = ws.aligned(end + b.nbytes)
         if self._segment is None or self._segment.size != end:
             if self._segment is not None:
                 self._segment.close()
@@ -293,7 +294,7 @@ class WeightSync:
             version=version, plan=plan_to_proto(buckets), transport_only=transport_only
         )
         sinks = Sinks(groups=[self.groups[b] for b in sorted(self.groups)])
-        after = {r: base for r, t in self.transports.items() if t in GROUP_BACKEND}
+        requests = {r: base for r, t in self.transports.items() if t in GROUP_BACKEND}
         table = None
         if any(t == "shm" for t in self.transports.values()):
             seg, offsets, table = self._shm_staging(buckets)
@@ -305,20 +306,20 @@ class WeightSync:
             req.CopyFrom(base)
             req.shm.segment, req.shm.offsets[:] = seg.name, offsets
             req.shm.push_id, req.shm.ready_offset = push_id, 0
-            after.update({r: req for r, t in self.transports.items() if t == "shm"})
+            requests.update({r: req for r, t in self.transports.items() if t == "shm"})
         if any(t == "ipc" for t in self.transports.values()):
             bufs, shared = self._ipc_staging(buckets)
             sinks.ipc = bufs
             req = g.UpdateWeightsRequest()
             req.CopyFrom(base)
             req.ipc.buffers.extend(shared)
-            after.update({r: req for r, t in self.transports.items() if t == "ipc"})
+            requests.update({r: req for r, t in self.transports.items() if t == "ipc"})
         with logcontext.bound(version=version):
             meta = logcontext.current()
 
         def call(r: str) -> asyncio.Future:
             return asyncio.ensure_future(
-                self._stub(r).UpdateWeights(after[r], timeout=self.deadline_s, metadata=meta)
+                self._stub(r).UpdateWeights(requests[r], timeout=self.deadline_s, metadata=meta)
             )
 
         # Group members receive while the learner sends; shared-memory replicas load each bucket
@@ -335,7 +336,7 @@ class WeightSync:
             for backend in list(self.groups):
                 await self._close_group(backend)
             raise
-        calls.update({r: call(r) for r in sorted(after) if r not in calls})  # the buckets are in place now
+        calls.update({r: call(r) for r in sorted(requests) if r not in calls})  # IPC: the buffers are filled
         rids = sorted(calls)
         answers = await asyncio.gather(*(calls[r] for r in rids), return_exceptions=True)
         failed, corrupted = {}, []

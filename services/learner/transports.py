@@ -13,7 +13,7 @@ another host, CPU                                  gloo       a broadcast over T
 "This host" means the same boot and IPC namespace (``relayrl.common.placement.host_id``): two
 processes that can share memory. The learner checks the choice when the replica registers (the
 replica opens a probe over it), so a transport that cannot work is refused there with the
-reason; ``weight_sync.transport`` forces one instead of the table.
+reason; ``weight_sync_transport`` forces one instead of the table.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ class LearnerServiceServicer:
         """Coordinator -> learner: add a generator replica to those PushWeights updates. Registering
         a known replica_id again replaces its address. The learner picks the replica's weight
         transport from where both run (CUDA IPC on its own GPU, shared memory on its host, NCCL to
-        other GPUs, gloo across CPU hosts; weight_sync.transport forces one) and opens it now, so a
+        other GPUs, gloo across CPU hosts; weight_sync_transport forces one) and opens it now, so a
         transport that cannot work is FAILED_PRECONDITION here, with the reason, never at a push.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

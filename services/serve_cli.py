@@ -39,6 +39,7 @@ SERVICES: dict[str, dict[str, tuple[str, type, str]]] = {
     },
     "learner": {
         "--model": ("model", str, "Hugging Face model folder to train"),
+        "--role": ("role", str, "actor (the policy), critic (value model) or reference (frozen)"),
         "--world-size": ("world_size", int, "ZeRO-3 ranks in all (nproc per node x nodes)"),
         "--dtype": ("dtype", str, "float32 or bfloat16"),
         "--lr": ("optim.lr", float, "peak learning rate"),

@@ -1,6 +1,6 @@
-"""Clients of the three services, as the coordinator uses them: deadlines on every call, work
-spread over replicas, and a failed replica's work re-issued to the others. The learner is one
-service with one address (``LearnerClient``).
+"""Clients of the services, as the coordinator uses them: deadlines on every call, work spread
+over replicas, and a failed replica's work re-issued to the others. A learner (the actor, and the
+critic and reference of PPO) is one service with one address (``LearnerClient``).
 
 Generate is spread by prompt: each healthy replica gets a share of the prompts. If a replica's
 call fails (it died, or its deadline passed), its prompts whose groups are not complete are sent
@@ -225,6 +225,16 @@ class LearnerClient:
     async def save_checkpoint(self, path: str, tag: str, client_state_json: str) -> lp.SaveCheckpointResponse:
         req = lp.SaveCheckpointRequest(path=path, tag=tag, client_state_json=client_state_json)
         return await self.stub.SaveCheckpoint(req, timeout=self.deadline, metadata=logcontext.current())
+
+    async def compute_values(self, run_id: str, sequences: list[lp.TokenSequence]) -> list[list[float]]:
+        req = lp.ComputeValuesRequest(run_id=run_id, sequences=sequences)
+        resp = await self.stub.ComputeValues(req, timeout=self.deadline, metadata=logcontext.current())
+        return [list(v.values) for v in resp.values]
+
+    async def compute_logprobs(self, run_id: str, sequences: list[lp.TokenSequence]) -> list[list[float]]:
+        req = lp.ComputeLogprobsRequest(run_id=run_id, sequences=sequences)
+        resp = await self.stub.ComputeLogprobs(req, timeout=self.deadline, metadata=logcontext.current())
+        return [list(v.values) for v in resp.logprobs]
 
     async def load_checkpoint(self, path: str, tag: str) -> lp.LoadCheckpointResponse:
         return await self.stub.LoadCheckpoint(

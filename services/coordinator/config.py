@@ -89,12 +89,32 @@ class SamplingSection(StrictModel):
 class AlgorithmSection(StrictModel):
     """How rewards become advantages."""
 
-    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp"] = "grpo"
+    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "gae"] = "grpo"
     """grpo: (r - group mean) / group std; drgrpo: r - group mean; rloo: leave-one-out baseline;
     reinforce_pp: REINFORCE++, token-level returns whitened over the whole batch (no group
-    baseline; a KL to the reference goes in the learner's loss, ``learner.loss.kl_coef``)."""
+    baseline); gae: PPO with a critic (the ``critic`` section: a learner of role critic), GAE
+    advantages whitened over the batch, the critic trained on the returns in the same step."""
     gamma: float = Field(1.0, ge=0, le=1)
-    """reinforce_pp: discount of the token-level returns (1: every token gets the score)."""
+    """reinforce_pp, gae: discount per token (1: every token gets the score)."""
+    lam: float = Field(1.0, ge=0, le=1)
+    """gae: GAE's lambda (1: Monte-Carlo advantages against the critic's baseline, verl's
+    default; lower trusts the critic more)."""
+    kl_coef: float = Field(0.0, ge=0, le=100)
+    """reinforce_pp, gae: weight of a per-token KL penalty to the reference policy *in the reward*
+    (``kl_penalty``), computed from the generator's log-probs and the ``reference`` service's
+    (a frozen learner started for it); the initial value when ``kl_target`` is set. 0: none. A KL
+    in the actor's *loss* instead is ``learner.loss.kl_coef`` (its reference in-process)."""
+    kl_penalty: Literal["k1", "k2", "k3", "abs"] = "k1"
+    """Estimator of the KL in the reward: k1 = log(pi/ref), k2 = its square / 2, k3 = Schulman's
+    low-variance one, abs = |log(pi/ref)| (verl's ``kl_penalty``)."""
+    kl_target: float | None = Field(None, gt=0)
+    """Adaptive KL controller (Ziegler et al. 2019; verl's ``AdaptiveKLController``): the KL per
+    token it steers toward; None keeps ``kl_coef`` fixed. Its coefficient is checkpointed."""
+    kl_horizon: float = Field(10000.0, gt=0)
+    """Adaptive controller: samples over which the coefficient may move by 20 %."""
+    critic_warmup: int = Field(0, ge=0)
+    """gae: first steps on which only the critic trains (the actor and the generators wait), so
+    the policy's first updates use values that mean something."""
     scale_std: bool = True
     """grpo only: divide by the group's reward std (off = Dr.GRPO's unbiased variant)."""
 
@@ -123,6 +143,12 @@ class ServicesSection(StrictModel):
     """Reward replicas, ``host:port`` each."""
     learner: str | None = None
     """Learner rank 0, ``host:port``."""
+    critic: str | None = None
+    """Critic's rank 0 (a learner of role critic), ``host:port``: deployed runs with
+    ``algorithm.advantage: gae``."""
+    reference: str | None = None
+    """Reference's rank 0 (a learner of role reference), ``host:port``: deployed runs with
+    ``algorithm.kl_coef`` > 0."""
     generator_replicas: int = Field(1, ge=1, le=64)
     """Embedded default and ``relayrl launch ray``: generator replicas to start."""
     reward_replicas: int = Field(1, ge=1, le=64)
@@ -132,6 +158,10 @@ class ServicesSection(StrictModel):
     so generation and training get their own GPUs; empty inherits the environment."""
     learner_devices: str = ""
     """Embedded default on GPUs: CUDA_VISIBLE_DEVICES of the learner (e.g. "2,3"); empty inherits."""
+    critic_devices: str = ""
+    """Embedded default on GPUs: CUDA_VISIBLE_DEVICES of the critic; empty inherits."""
+    reference_devices: str = ""
+    """Embedded default on GPUs: CUDA_VISIBLE_DEVICES of the reference; empty inherits."""
     deadline_seconds: float = Field(600.0, gt=0)
     """Default deadline of every call to a service."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
@@ -225,11 +255,55 @@ class ExperimentConfig(StrictModel):
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
     """Generator section (model path filled from ``model.path`` when empty)."""
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
-    """Learner section (model path filled from ``model.path`` when empty)."""
+    """Learner section: the actor (model path filled from ``model.path`` when empty)."""
+    critic: LearnerConfig | None = None
+    """The critic, a learner of role critic, for ``algorithm.advantage: gae`` (its role is set
+    here). None with gae: the learner section's model, ranks, dtype and optimizer."""
+    reference: LearnerConfig | None = None
+    """The reference, a frozen learner of role reference, for ``algorithm.kl_coef`` > 0 (its role
+    is set here). None then: one rank of the learner section's model and dtype."""
     reward: RewardConfig = Field(default_factory=RewardConfig)
     """Reward section."""
     ray: RaySection = Field(default_factory=RaySection)
     """Placement on a Ray cluster, for ``relayrl launch ray``."""
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.algorithm.advantage == "gae"
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.algorithm.kl_coef > 0
+
+    @model_validator(mode="after")
+    def _roles_fit_algorithm(self) -> ExperimentConfig:
+        a = self.algorithm
+        if a.kl_coef > 0 and a.advantage not in ("reinforce_pp", "gae"):
+            raise ValueError(
+                "algorithm.kl_coef: a KL in the reward needs token-level advantages (reinforce_pp or gae); "
+                "for group advantages put the KL in the loss (learner.loss.kl_coef)"
+            )
+        if self.critic is not None and not self.needs_critic:
+            raise ValueError("critic: only algorithm.advantage gae uses a critic")
+        if a.critic_warmup and not self.needs_critic:
+            raise ValueError("algorithm.critic_warmup: only algorithm.advantage gae has a critic")
+        if a.critic_warmup >= self.schedule.steps:
+            raise ValueError("algorithm.critic_warmup must be fewer than schedule.steps")
+        if not self.services.embedded:
+            for role, need in (("critic", self.needs_critic), ("reference", self.needs_reference)):
+                if need and not getattr(self.services, role):
+                    raise ValueError(f"services.{role}: a deployed run with this algorithm needs its address")
+        return self
+
+    def role_sections(self) -> dict[str, LearnerConfig]:
+        """The learner services this run needs, by name: ``learner`` (the actor) always, ``critic``
+        and ``reference`` when the algorithm uses them."""
+        out = {"learner": self.learner}
+        if self.needs_critic and self.critic is not None:
+            out["critic"] = self.critic
+        if self.needs_reference and self.reference is not None:
+            out["reference"] = self.reference
+        return out
 
 
 class CoordinatorServeConfig(StrictModel):
@@ -273,17 +347,43 @@ def resolve_paths(exp: ExperimentConfig, base: Path | None) -> ExperimentConfig:
     exp.learner.loss.temperature = exp.sampling.temperature or 1.0
     if exp.learner.loss.max_tokens_normaliser is None:
         exp.learner.loss.max_tokens_normaliser = exp.sampling.max_tokens
+    _fill_roles(exp)
     return exp
+
+
+def _fill_roles(exp: ExperimentConfig) -> None:
+    """The critic and reference sections the algorithm needs, from the learner's where unset:
+    same model, dtype, security and checkpoint folder; the critic also its ranks and optimizer."""
+    base = {"model": exp.learner.model, "dtype": exp.learner.dtype, "security": exp.learner.security}
+    base["checkpoint_dir"] = exp.learner.checkpoint_dir
+    if exp.needs_critic:
+        given = exp.critic or LearnerConfig(
+            world_size=exp.learner.world_size, optim=exp.learner.optim.model_copy()
+        )
+        exp.critic = _role(given, "critic", base, exp)
+    if exp.needs_reference:
+        exp.reference = _role(exp.reference or LearnerConfig(), "reference", base, exp)
+
+
+def _role(section: LearnerConfig, role: str, base: dict, exp: ExperimentConfig) -> LearnerConfig:
+    fields = section.model_fields_set
+    update = {k: v for k, v in base.items() if k not in fields}
+    out = LearnerConfig.model_validate({**section.model_dump(), **update, "role": role})
+    out.loss.temperature = exp.learner.loss.temperature  # log-probs as the generators sample
+    if out.security == ClientSecurity():
+        out.security = exp.learner.security.model_copy()
+    return out
 
 
 def _resolve_security_paths(exp: ExperimentConfig, rel) -> None:
     """Certificate, key and token paths against the experiment's folder, like the other paths;
     the learner calls the generators as the coordinator does unless its section says otherwise."""
-    for section in (exp.services.security, exp.learner.security):
+    roles = [r for r in (exp.critic, exp.reference) if r is not None]
+    for section in (exp.services.security, exp.learner.security, *(r.security for r in roles)):
         for name in ("ca", "cert", "key", "token_file"):
             if getattr(section, name):
                 setattr(section, name, rel(getattr(section, name)))
-    for serve in (exp.generator.serve, exp.learner.serve, exp.reward.serve):
+    for serve in (exp.generator.serve, exp.learner.serve, exp.reward.serve, *(r.serve for r in roles)):
         for name in ("tls_cert", "tls_key", "tls_client_ca", "token_file"):
             if getattr(serve, name):
                 setattr(serve, name, rel(getattr(serve, name)))

@@ -30,10 +30,12 @@ async def drive(
     test_rows = load_rows(cfg.data.test) if cfg.data.test else []
     deadline, security = cfg.services.deadline_seconds, cfg.services.security
     learner = LearnerClient(services.learner, deadline, security)
+    critic = LearnerClient(services.critic, deadline, security) if services.critic else None
+    reference = LearnerClient(services.reference, deadline, security) if services.reference else None
     # A dead generator must not fail every later push: the learner forgets it.
     gens = GeneratorPool(services.generators, deadline, on_down=learner.forget_soon, security=security)
     rewards = RewardPool(services.rewards, deadline, security=security)
-    exp = Experiment(cfg, run_dir, train_rows, test_rows, gens, rewards, learner, on_record)
+    exp = Experiment(cfg, run_dir, train_rows, test_rows, gens, rewards, learner, on_record, critic, reference)
     if stop is not None:
         exp.stop_requested = stop
     try:
@@ -47,5 +49,7 @@ async def drive(
     finally:
         await gens.close()
         await rewards.close()
-        await learner.close()
+        for client in (learner, critic, reference):
+            if client is not None:
+                await client.close()
     return exp

@@ -11,21 +11,23 @@ from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.launcher import ServiceProcess
 
 
-def learner_section(cfg: ExperimentConfig, run_dir: Path):
-    """The learner section a launcher hands to the learner it starts: checkpoints go beside the run
-    folder (``<run_dir>/checkpoints``) unless the experiment names another folder. The default
-    counts as unset even when present, as in a resumed run's ``config.yaml``, which records every
-    field."""
-    default = type(cfg.learner).model_fields["checkpoint_dir"].default
-    if cfg.learner.checkpoint_dir != default:
-        return cfg.learner
-    return cfg.learner.model_copy(update={"checkpoint_dir": str(run_dir.parent.resolve())})
+def learner_section(cfg: ExperimentConfig, run_dir: Path, role: str = "learner"):
+    """The section a launcher hands to the learner ``role`` (``learner``: the actor, ``critic``,
+    ``reference``) it starts: checkpoints go beside the run folder (``<run_dir>/checkpoints``)
+    unless the experiment names another folder. The default counts as unset even when present, as
+    in a resumed run's ``config.yaml``, which records every field."""
+    section = cfg.role_sections()[role]
+    default = type(section).model_fields["checkpoint_dir"].default
+    if section.checkpoint_dir != default:
+        return section
+    return section.model_copy(update={"checkpoint_dir": str(run_dir.parent.resolve())})
 
 
 class LocalServices:
-    """The embedded default: the run's learner, generators and reward replicas as local
-    processes (a ``ServiceSet``), each with its config section in ``services/`` and its log in
-    ``logs/`` of the run folder, every command recorded in ``launch.jsonl``."""
+    """The embedded default: the run's learner, generators and reward replicas (and the critic
+    and reference learners where the algorithm uses them) as local processes (a ``ServiceSet``),
+    each with its config section in ``services/`` and its log in ``logs/`` of the run folder,
+    every command recorded in ``launch.jsonl``."""
 
     resume_command = "relayrl run --resume"
     """What a failed run's message tells the user to continue with."""
@@ -37,6 +39,8 @@ class LocalServices:
         self.generators: dict[str, str] = {}
         self.rewards: dict[str, str] = {}
         self.learner = ""
+        self.critic = ""
+        self.reference = ""
 
     def _start(self, name: str, service: str, section, extra: list[str], devices: str = "") -> ServiceProcess:
         path = self.run_dir / "services" / f"{name}.yaml"
@@ -56,9 +60,15 @@ class LocalServices:
     def start(self, timeout: float = 600.0) -> None:
         c = self.cfg
         dev = c.services.generator_devices
-        learner = self._start(
-            "learner", "learner", learner_section(c, self.run_dir), [], c.services.learner_devices
-        )
+        devices = {
+            "learner": c.services.learner_devices,
+            "critic": c.services.critic_devices,
+            "reference": c.services.reference_devices,
+        }
+        learners = {
+            role: self._start(role, "learner", learner_section(c, self.run_dir, role), [], devices[role])
+            for role in c.role_sections()
+        }
         gens = [
             self._start(
                 f"gen-{i}",
@@ -72,7 +82,10 @@ class LocalServices:
         rewards = [
             self._start(f"reward-{i}", "reward", c.reward, []) for i in range(c.services.reward_replicas)
         ]
-        self.learner = learner.wait_ready(timeout)
+        ready = {role: p.wait_ready(timeout) for role, p in learners.items()}
+        self.learner = ready["learner"]
+        self.critic = ready.get("critic", "")
+        self.reference = ready.get("reference", "")
         self.generators = {p.name: p.wait_ready(timeout) for p in gens}
         self.rewards = {p.name: p.wait_ready(timeout) for p in rewards}
 

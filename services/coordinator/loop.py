@@ -26,17 +26,16 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from relayrl.common import logcontext
 from relayrl.common.v1 import common_pb2
-from relayrl.coordinator.advantages import advantages
+from relayrl.coordinator.batch import Rollout, TrainBatch, nothing, train_batch
 from relayrl.coordinator.clients import GeneratorPool, LearnerClient, RewardPool
 from relayrl.coordinator.config import ExperimentConfig
-from relayrl.coordinator.token_advantages import reinforce_pp
+from relayrl.coordinator.token_advantages import adaptive_kl_coef
 from relayrl.generator.v1 import generator_pb2 as g
-from relayrl.learner.v1 import learner_pb2 as lp
 from relayrl.reward.v1 import reward_pb2 as rw
 
 logger = logging.getLogger(__name__)
@@ -49,15 +48,6 @@ class Position:
     step: int = 0
     epoch: int = 0
     index: int = 0
-
-
-@dataclass
-class Rollout:
-    """One step's scored groups."""
-
-    groups: list[tuple[dict, list[common_pb2.Sample], list[rw.RewardResult]]]
-    seconds: dict[str, float] = field(default_factory=dict)
-    gen_tokens: int = 0
 
 
 def learner_checkpoint_path(run_dir: Path) -> str:
@@ -74,22 +64,6 @@ def ground_truth_text(gt) -> str:
     return gt if isinstance(gt, str) else json.dumps(gt)
 
 
-def version_of(s: common_pb2.Sample) -> int:
-    """The oldest policy version that produced any token of the sample."""
-    return min([s.policy_version, *(sp.version for sp in s.version_spans)])
-
-
-def train_sample(s: common_pb2.Sample, **advantage) -> lp.TrainSample:
-    """The learner's sample for a generated one, with ``advantage`` or ``token_advantages``."""
-    return lp.TrainSample(
-        prompt_token_ids=s.prompt_token_ids,
-        completion_token_ids=s.completion_token_ids,
-        generator_logprobs=s.logprobs,
-        policy_version=version_of(s),
-        **advantage,
-    )
-
-
 class Experiment:
     def __init__(
         self,
@@ -101,6 +75,8 @@ class Experiment:
         rewards: RewardPool,
         learner: LearnerClient,
         on_record: Callable[[dict], None] | None = None,
+        critic: LearnerClient | None = None,
+        reference: LearnerClient | None = None,
     ):
         self.cfg = cfg
         self.run_dir = run_dir
@@ -109,6 +85,10 @@ class Experiment:
         self.gen = generators
         self.rewards = rewards
         self.learner = learner
+        self.critic = critic
+        self.reference = reference
+        self.kl_coef = cfg.algorithm.kl_coef  # moved by the adaptive controller, checkpointed
+        self.critic_step = 0
         self.pos = Position()
         self.version = 0
         self.on_record = on_record
@@ -187,40 +167,6 @@ class Experiment:
         tokens = sum(len(s.completion_token_ids) for v in samples.values() for s in v)
         return Rollout(groups, {"generate": t1 - t0, "score": t2 - t1}, tokens)
 
-    def train_batch(self, ro: Rollout) -> tuple[list[lp.TrainSample], dict[str, float]]:
-        """Advantages per group (REINFORCE++: per token over the batch); stale groups dropped;
-        groups without signal left out."""
-        out, dropped, flat, lags = [], 0, 0, []
-        per_batch, kept = self.cfg.algorithm.advantage == "reinforce_pp", []
-        for _row, samples, results in ro.groups:
-            lag = max(self.version - version_of(s) for s in samples)
-            if lag > self.cfg.schedule.max_staleness:
-                dropped += 1
-                continue
-            lags += [self.version - version_of(s) for s in samples]
-            rewards = [r.reward if r.status == rw.SCORE_STATUS_OK else 0.0 for r in results]
-            if per_batch:  # advantages come from the whole batch, below
-                kept += [(s, rew) for s, rew in zip(samples, rewards, strict=True)]
-                continue
-            adv = advantages(rewards, self.cfg.algorithm.advantage, self.cfg.algorithm.scale_std)
-            if all(a == 0 for a in adv):
-                flat += 1  # equal rewards: zero gradient, only cost
-                continue
-            out += [train_sample(s, advantage=a) for s, a in zip(samples, adv, strict=True)]
-        if kept:
-            lengths = [len(s.completion_token_ids) for s, _ in kept]
-            token_adv = reinforce_pp([r for _, r in kept], lengths, self.cfg.algorithm.gamma)
-            out = [
-                train_sample(s, token_advantages=a.tolist())
-                for (s, _), a in zip(kept, token_adv, strict=True)
-            ]
-        return out, {
-            "dropped_stale_groups": dropped,
-            "zero_signal_groups": flat,
-            "staleness_mean": sum(lags) / len(lags) if lags else 0.0,
-            "staleness_max": max(lags, default=0),
-        }
-
     @staticmethod
     def reward_stats(ro: Rollout) -> dict[str, float]:
         results = [r for _, _, rs in ro.groups for r in rs]
@@ -238,6 +184,11 @@ class Experiment:
         }
         stats.update({f"reward_{k}": sum(v) / len(v) for k, v in comps.items()})
         return stats
+
+    async def train_batch(self, ro: Rollout) -> TrainBatch:
+        return await train_batch(
+            self.cfg, self.version, ro, self.run_dir.name, self.critic, self.reference, self.kl_coef
+        )
 
     async def evaluate(self) -> float:
         """Greedy accuracy on the held-out rows: share of rows whose answer is correct."""
@@ -271,19 +222,36 @@ class Experiment:
         resp = await self.learner.push_weights(self.version)
         return time.monotonic() - t0, len(resp.replica_ids)
 
+    def _state(self) -> dict:
+        """What a checkpoint keeps of the coordinator: data position and step, the KL
+        controller's coefficient and the critic's step count."""
+        return {**asdict(self.pos), "kl_coef": self.kl_coef, "critic_step": self.critic_step}
+
     async def checkpoint(self) -> None:
         tag = f"step{self.pos.step}"
-        state = json.dumps(asdict(self.pos))
-        await self.learner.save_checkpoint(learner_checkpoint_path(self.run_dir), tag, state)
+        state = json.dumps(self._state())
+        path = learner_checkpoint_path(self.run_dir)
+        await asyncio.gather(
+            self.learner.save_checkpoint(path, tag, state),
+            self.critic.save_checkpoint(f"{path}/critic", tag, state) if self.critic else nothing(),
+        )
         (self.run_dir / "checkpoints" / "coordinator.json").write_text(
-            json.dumps({"tag": tag, **asdict(self.pos)}) + "\n"
+            json.dumps({"tag": tag, **self._state()}) + "\n"
         )
 
     async def resume(self, tag: str, records: list[dict]) -> None:
-        """Continue from the checkpoint ``tag``: the learner loads it, the data position, policy
-        version and metrics come back, and fresh generators get the checkpoint's weights."""
-        loaded = await self.learner.load_checkpoint(learner_checkpoint_path(self.run_dir), tag)
-        self.pos = Position(**json.loads(loaded.client_state_json))
+        """Continue from the checkpoint ``tag``: the learner (and critic) load it, the data
+        position, policy version, KL coefficient and metrics come back, and fresh generators get
+        the checkpoint's weights."""
+        path = learner_checkpoint_path(self.run_dir)
+        loaded, critic = await asyncio.gather(
+            self.learner.load_checkpoint(path, tag),
+            self.critic.load_checkpoint(f"{path}/critic", tag) if self.critic else nothing(),
+        )
+        state = json.loads(loaded.client_state_json)
+        self.pos = Position(state["step"], state["epoch"], state["index"])
+        self.kl_coef = state.get("kl_coef", self.cfg.algorithm.kl_coef)
+        self.critic_step = critic.step if critic is not None else 0
         self.version = loaded.policy_version
         self.records = records
         if self.version:
@@ -320,13 +288,27 @@ class Experiment:
             if sched.max_staleness >= 1 and not last:  # overlap: next batch generates during training
                 batch, nxt = self.next_prompts(pos_after)
                 pending = asyncio.ensure_future(self.rollout(batch))
-            samples, stats = self.train_batch(ro)
+            t_batch = time.monotonic()
+            tb = await self.train_batch(ro)
+            samples, stats = tb.actor, tb.stats
             t0 = time.monotonic()
+            if tb.critic or self.reference:
+                stats["time_values"] = t0 - t_batch  # ComputeValues / ComputeLogprobs
+            # The actor waits out the critic's warm-up; the critic trains in the same step.
+            if self.pos.step < self.cfg.algorithm.critic_warmup:
+                samples = []
+            actor_resp, critic_resp = await asyncio.gather(
+                self.learner.train_step(self.run_dir.name, self.version + 1, samples)
+                if samples
+                else nothing(),
+                self.critic.train_step(self.run_dir.name, self.critic_step + 1, tb.critic)
+                if tb.critic
+                else nothing(),
+            )
             train_metrics: dict[str, float] = {}
-            if samples:
-                resp = await self.learner.train_step(self.run_dir.name, self.version + 1, samples)
-                self.version = resp.policy_version
-                m = resp.metrics
+            if actor_resp is not None:
+                self.version = actor_resp.policy_version
+                m = actor_resp.metrics
                 train_metrics = {
                     "loss": m.loss,
                     "kl": m.kl,
@@ -336,6 +318,22 @@ class Experiment:
                     "lr": m.lr,
                     "train_tokens": m.tokens,
                 }
+            if critic_resp is not None:
+                self.critic_step = critic_resp.step
+                m = critic_resp.metrics
+                train_metrics.update(
+                    {
+                        "critic_loss": m.loss,
+                        "critic_clip_fraction": m.clip_fraction,
+                        "critic_grad_norm": m.grad_norm,
+                        "critic_vf_mse": m.extra.get("vf_mse", float("nan")),
+                    }
+                )
+            if self.cfg.algorithm.kl_target is not None and "kl_reward" in stats:
+                a = self.cfg.algorithm
+                self.kl_coef = adaptive_kl_coef(
+                    self.kl_coef, stats["kl_reward"], a.kl_target, a.kl_horizon, len(tb.actor)
+                )
             t1 = time.monotonic()
             sync, synced = await self.push() if samples else (0.0, 0)
             self.pos = Position(self.pos.step + 1, pos_after.epoch, pos_after.index)

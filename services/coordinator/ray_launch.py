@@ -66,6 +66,8 @@ class RayServices:
         self.generators: dict[str, str] = {}
         self.rewards: dict[str, str] = {}
         self.learner = ""
+        self.critic = ""
+        self.reference = ""
         self.hosts: dict[str, object] = {}  # name -> actor handle
         self.ranks: list[str] = []  # learner host names, rank order
         self.pgs: list[tuple[GroupPlan, object]] = []

@@ -19,6 +19,10 @@ class ServiceSet(Protocol):
     """Replica name -> address, filled by ``start``."""
     learner: str
     """Rank 0's address, filled by ``start``."""
+    critic: str
+    """The critic's rank 0 address when the algorithm uses one (else empty), filled by ``start``."""
+    reference: str
+    """The reference's rank 0 address when the algorithm uses one (else empty), filled by ``start``."""
     resume_command: str
     """The command a failed run's message tells the user to continue with."""
 
@@ -39,6 +43,8 @@ class DeployedServices:
         self.generators = {f"gen-{i}": a for i, a in enumerate(cfg.services.generators)}
         self.rewards = {f"reward-{i}": a for i, a in enumerate(cfg.services.rewards)}
         self.learner = cfg.services.learner or ""
+        self.critic = (cfg.services.critic or "") if cfg.needs_critic else ""
+        self.reference = (cfg.services.reference or "") if cfg.needs_reference else ""
 
     def start(self) -> None:
         pass

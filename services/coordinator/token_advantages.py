@@ -169,6 +169,43 @@ def adaptive_kl_coef(coef: float, observed_kl: float, target: float, horizon: fl
     return coef * (1.0 + error * n_steps / horizon)
 
 
+def token_advantages(
+    scores: Sequence[float],
+    lengths: Sequence[int],
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    values: Sequence[np.ndarray] | None = None,
+    kl: Sequence[np.ndarray] | None = None,
+    beta: float = 0.0,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per-token advantages and returns of a batch, PPO's (``values`` given: GAE against the
+    critic, verl's ``gae``) or REINFORCE++'s (no values: returns-to-go, verl's
+    ``reinforce_plus_plus``). Token rewards are each sample's score on its last token minus
+    ``beta`` times its per-token ``kl`` to the reference (the KL in the reward); advantages are
+    whitened over every token of the batch, returns (the critic's targets) are not.
+
+    >>> adv, ret = token_advantages([1.0, 0.0], [2, 1])  # REINFORCE++: no group baseline
+    >>> [np.round(a, 4).tolist() for a in adv], [r.tolist() for r in ret]
+    ([[0.5774, 0.5774], [-1.1547]], [[1.0, 1.0], [0.0]])
+    >>> adv, ret = token_advantages([1.0, 0.0], [2, 1], values=[np.array([0.5, 0.5]), np.array([0.5])])
+    >>> [np.round(a, 4).tolist() for a in adv], [r.tolist() for r in ret]
+    ([[0.5774, 0.5774], [-1.1547]], [[1.0, 1.0], [0.0]])
+    """
+    if len(scores) != len(lengths):
+        raise ValueError(f"{len(scores)} scores for {len(lengths)} samples")
+    rewards = [
+        shaped_rewards(s, n, None if kl is None else kl[i], beta)
+        for i, (s, n) in enumerate(zip(scores, lengths, strict=True))
+    ]
+    if values is None:
+        returns = [discounted_returns(r, gamma) for r in rewards]
+        return whiten(returns), returns
+    pairs = [
+        gae(r, np.asarray(v, dtype=np.float64), gamma, lam) for r, v in zip(rewards, values, strict=True)
+    ]
+    return whiten([a for a, _ in pairs]), [ret for _, ret in pairs]
+
+
 def reinforce_pp(scores: Sequence[float], lengths: Sequence[int], gamma: float = 1.0) -> list[np.ndarray]:
     """REINFORCE++ token advantages of a batch (verl's ``reinforce_plus_plus`` with the KL in the
     loss rather than in the reward): each sample's score on its last token, returns-to-go with
@@ -178,7 +215,22 @@ def reinforce_pp(scores: Sequence[float], lengths: Sequence[int], gamma: float =
     >>> [np.round(a, 4).tolist() for a in reinforce_pp([1.0, 0.0], [2, 1])]
     [[0.5774, 0.5774], [-1.1547]]
     """
-    if len(scores) != len(lengths):
-        raise ValueError(f"{len(scores)} scores for {len(lengths)} samples")
-    returns = [discounted_returns(shaped_rewards(s, n), gamma) for s, n in zip(scores, lengths, strict=True)]
-    return whiten(returns)
+    return token_advantages(scores, lengths, gamma)[0]
+
+
+def explained_variance(values: Sequence[np.ndarray], returns: Sequence[np.ndarray]) -> float:
+    """1 - Var(returns - values) / Var(returns) over every token of the batch: how much of the
+    returns' spread the critic predicts (1: all, 0: no better than their mean, negative: worse;
+    verl's ``critic/vf_explained_var``). NaN when the returns do not vary.
+
+    >>> explained_variance([np.array([1.0, 0.0])], [np.array([1.0, 0.0])])
+    1.0
+    >>> explained_variance([np.array([0.5, 0.5])], [np.array([1.0, 0.0])])
+    0.0
+    """
+    v = np.concatenate([np.asarray(x, dtype=np.float64) for x in values]) if values else np.zeros(0)
+    r = np.concatenate([np.asarray(x, dtype=np.float64) for x in returns]) if returns else np.zeros(0)
+    var = float(np.var(r)) if r.size else 0.0
+    if var == 0.0:
+        return float("nan")
+    return 1.0 - float(np.var(r - v)) / var

@@ -42,6 +42,9 @@ class LossConfig(StrictModel):
     so they compare with the generator's. The coordinator sets it from ``sampling.temperature``."""
     max_tokens_normaliser: int | None = Field(None, ge=1)
     """drgrpo: constant divisor of the summed token losses (default: max completion length)."""
+    value_clip: float | None = Field(0.5, gt=0)
+    """Critic only: clip range of the value loss around the values the batch was scored with
+    (PPO's ``cliprange_value``, verl's default 0.5); None: the plain squared error."""
 
     @model_validator(mode="after")
     def _aggregation_fits_kind(self) -> LossConfig:
@@ -72,9 +75,17 @@ class OptimConfig(StrictModel):
     """Clip the global gradient norm to this."""
 
 
+Role = Literal["actor", "critic", "reference"]
+
+
 class LearnerConfig(StrictModel):
     """The learner: all ranks read the same config; rank 0 serves it."""
 
+    role: Role = "actor"
+    """actor: the policy (TrainStep on advantages, PushWeights to generators); critic: the
+    model's backbone with a scalar value head, trained on returns (ComputeValues, TrainStep);
+    reference: the model frozen, forward only (ComputeLogprobs). Each role is its own service,
+    with its own ranks, devices and checkpoints."""
     serve: ServeConfig = Field(default_factory=ServeConfig)
     """Where rank 0 listens, and who may call it."""
     security: ClientSecurity = Field(default_factory=ClientSecurity)
@@ -121,3 +132,11 @@ class LearnerConfig(StrictModel):
     checkpoint and export paths resolve, and which an empty path means. Relative: to the
     learner's working directory. Callers on other hosts send relative paths, so nothing
     assumes a filesystem shared with them."""
+
+    @model_validator(mode="after")
+    def _role_fits_loss(self) -> LearnerConfig:
+        # The in-process reference (kl_coef) belongs to the actor: a critic or a reference would
+        # load a second copy of the model for nothing.
+        if self.role != "actor" and self.loss.kl_coef > 0:
+            raise ValueError(f"loss.kl_coef: a {self.role} has no KL term; set it on the actor (or 0)")
+        return self

@@ -9,22 +9,19 @@ a command on the control channel, then runs the collective part itself. Other ra
 from __future__ import annotations
 
 import logging
-import math
 import os
 
 from relayrl.common import logcontext
 from relayrl.common import weightsync as ws
-from relayrl.common.rpc import InvalidRequest, NotFound
+from relayrl.common.rpc import FailedPrecondition, InvalidRequest, NotFound
 from relayrl.learner.control import Control
 from relayrl.learner.push import Sinks, send_buckets
-from relayrl.learner.trainer import Sample, Trainer
+from relayrl.learner.samples import decode_samples, decode_sequences
+from relayrl.learner.trainer import Trainer
 from relayrl.learner.v1 import learner_pb2
 
 logger = logging.getLogger(__name__)
 
-MAX_ABS_ADVANTAGE = 1e6
-"""Largest advantage magnitude accepted (normalised advantages are a few units; anything near
-float limits makes the loss and the gradient infinite)."""
 TAG_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 MAX_TAG_CHARS = 128
 
@@ -50,67 +47,24 @@ def check_tag(tag: str) -> str:
     return tag
 
 
-def decode_samples(
-    req: learner_pb2.TrainStepRequest, vocab_size: int, max_len: int, sft: bool
-) -> list[Sample]:
-    """Wire samples -> ``Sample``; every problem raises InvalidRequest naming the sample."""
-    if not req.samples:
-        raise InvalidRequest("samples is empty: nothing to train on")
-    out = []
-    for i, s in enumerate(req.samples):
-        n = len(s.completion_token_ids)
-        where = f"samples[{i}]"
-        if not s.prompt_token_ids or not n:
-            raise InvalidRequest(f"{where}: prompt_token_ids and completion_token_ids must be non-empty")
-        if len(s.prompt_token_ids) + n > max_len:
-            raise InvalidRequest(
-                f"{where}: {len(s.prompt_token_ids) + n} tokens exceed the model's {max_len}"
-            )
-        if not (len(s.generator_logprobs) == n or (sft and not s.generator_logprobs)):
-            raise InvalidRequest(
-                f"{where}: {len(s.generator_logprobs)} generator_logprobs for {n} completion tokens"
-            )
-        if s.loss_mask and len(s.loss_mask) != n:
-            raise InvalidRequest(f"{where}: {len(s.loss_mask)} loss_mask values for {n} completion tokens")
-        if not all(0.0 <= x <= 1.0 for x in s.loss_mask):  # also refuses NaN
-            raise InvalidRequest(f"{where}: loss_mask values must be in [0, 1]")
-        if not abs(s.advantage) <= MAX_ABS_ADVANTAGE:  # also refuses NaN
-            raise InvalidRequest(
-                f"{where}: advantage is {s.advantage:g}; |advantage| must be <= {MAX_ABS_ADVANTAGE:g}"
-            )
-        if s.token_advantages and len(s.token_advantages) != n:
-            raise InvalidRequest(
-                f"{where}: {len(s.token_advantages)} token_advantages for {n} completion tokens"
-            )
-        if not all(abs(x) <= MAX_ABS_ADVANTAGE for x in s.token_advantages):  # also refuses NaN
-            raise InvalidRequest(f"{where}: token_advantages must be finite, |a| <= {MAX_ABS_ADVANTAGE:g}")
-        if not all(-math.inf < x <= 0.0 for x in s.generator_logprobs):
-            raise InvalidRequest(f"{where}: generator_logprobs must be finite log-probabilities (<= 0)")
-        ids = list(s.prompt_token_ids) + list(s.completion_token_ids)
-        if min(ids) < 0 or max(ids) >= vocab_size:
-            raise InvalidRequest(f"{where}: token ids must be in [0, {vocab_size})")
-        out.append(
-            Sample(
-                list(s.prompt_token_ids),
-                list(s.completion_token_ids),
-                list(s.generator_logprobs),
-                float(s.advantage),
-                list(s.loss_mask),
-                list(s.token_advantages),
-            )
-        )
-    return out
-
-
 class LearnerCore:
     def __init__(self, trainer: Trainer, control: Control):
         self.trainer = trainer
         self.control = control
-        self.sft = trainer.cfg.loss.kind == "sft"
+        self.role = trainer.cfg.role
+
+    def _decode(self, req: learner_pb2.TrainStepRequest):
+        return decode_samples(req, self.trainer.vocab_size, self.trainer.max_len, self.trainer.cfg)
+
+    def require(self, *roles: str, what: str) -> None:
+        """Refuse an operation this learner's role does not serve (before any collective)."""
+        if self.role not in roles:
+            raise FailedPrecondition(f"this learner is a {self.role}: {what} needs a {' or '.join(roles)}")
 
     # -- rank 0 -------------------------------------------------------------------------
     def train(self, req: learner_pb2.TrainStepRequest, max_completion_tokens: int) -> dict:
-        samples = decode_samples(req, self.trainer.vocab_size, self.trainer.max_len, self.sft)
+        self.require("actor", "critic", what="TrainStep")
+        samples = self._decode(req)
         max_tokens = max_completion_tokens or max(len(s.completion) for s in samples)
         self.control.send({"op": "train", "max_tokens": max_tokens}, req.SerializeToString())
         m = self.trainer.train_step(samples, max_tokens)
@@ -121,6 +75,18 @@ class LearnerCore:
             )
         return m
 
+    def score(self, sequences, what: str) -> list[list[float]]:
+        """Per-token log-probs (``what`` "logprobs": actor, reference) or values ("values":
+        critic) of the sequences (TokenSequence messages), computed by every rank."""
+        if what == "values":
+            self.require("critic", what="ComputeValues")
+        else:
+            self.require("actor", "reference", what="ComputeLogprobs")
+        samples = decode_sequences(sequences, self.trainer.vocab_size, self.trainer.max_len)
+        payload = learner_pb2.ComputeValuesRequest(sequences=sequences).SerializeToString()
+        self.control.send({"op": "score"}, payload)
+        return self.trainer.score(samples)
+
     def push(
         self, bucket_bytes: int, dtype: str, sinks: Sinks, transport_only: bool = False
     ) -> tuple[int, list[int]]:
@@ -129,6 +95,7 @@ class LearnerCore:
         same sizes, nothing is gathered (the other ranks are not involved)."""
         import torch
 
+        self.require("actor", what="PushWeights")
         buckets = ws.plan_buckets(self.trainer.param_metas(dtype), bucket_bytes)
         if transport_only:
             zeros = (torch.zeros(b.nbytes, dtype=torch.uint8) for b in buckets)
@@ -145,11 +112,17 @@ class LearnerCore:
             raise (NotFound if op == "load" else InvalidRequest)("; ".join(problems))
 
     def save(self, path: str, tag: str, client_state_json: str) -> None:
+        self.require(
+            "actor", "critic", what="SaveCheckpoint (a reference is frozen: its model folder is its state)"
+        )
         self._check("save", path, tag)
         self.control.send({"op": "save", "path": path, "tag": tag, "state": client_state_json})
         self.trainer.save(path, tag, client_state_json)
 
     def load(self, path: str, tag: str) -> dict:
+        self.require(
+            "actor", "critic", what="LoadCheckpoint (a reference is frozen: its model folder is its state)"
+        )
         if not tag:  # the latest: DeepSpeed's "latest" file names it
             try:
                 tag = open(os.path.join(path, "latest")).read(MAX_TAG_CHARS + 1).strip()
@@ -164,6 +137,7 @@ class LearnerCore:
         return {**self.trainer.load(path, tag), "tag": tag}
 
     def export(self, path: str, bucket_bytes: int) -> None:
+        self.require("actor", "reference", what="ExportModel (a critic is kept as checkpoints)")
         self._check("export", path, "")
         self.control.send({"op": "export", "path": path, "bucket_bytes": bucket_bytes})
         self.trainer.export(path, bucket_bytes)
@@ -181,9 +155,12 @@ class LearnerCore:
                 return
             if op == "train":
                 req = learner_pb2.TrainStepRequest.FromString(payload)
-                samples = decode_samples(req, self.trainer.vocab_size, self.trainer.max_len, self.sft)
+                samples = self._decode(req)
                 with logcontext.bound(run_id=req.run_id or None, step=req.step):
                     self.trainer.train_step(samples, cmd["max_tokens"])
+            elif op == "score":
+                seqs = learner_pb2.ComputeValuesRequest.FromString(payload).sequences
+                self.trainer.score(decode_sequences(seqs, self.trainer.vocab_size, self.trainer.max_len))
             elif op == "push":  # gather only: rank 0 sends
                 buckets = ws.plan_buckets(self.trainer.param_metas(cmd["dtype"]), cmd["bucket_bytes"])
                 for _ in self.trainer.gathered_buckets(buckets):

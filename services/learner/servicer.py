@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
+from relayrl.common import logcontext
 from relayrl.common.rpc import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -163,6 +164,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             raise InvalidRequest("address and replica_id are required")
         if len(request.address) > 512 or len(request.replica_id) > 256:
             raise InvalidRequest("address takes at most 512 characters, replica_id 256")
+        self.core.require("actor", what="RegisterGenerator")
 
         async def register():
             async with self.lock:  # a group may re-form: never beside a push
@@ -263,6 +265,26 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             path=path, policy_version=version, seconds=time.monotonic() - t0
         )
 
+    async def _score(self, request, what: str, context):
+        left = context.time_remaining()
+        deadline = time.monotonic() + left if left is not None else None
+        t0 = time.monotonic()
+        with logcontext.bound(run_id=request.run_id or None):
+            out = await self._exclusive(self.core.score, request.sequences, what, deadline=deadline)
+        return [learner_pb2.TokenValues(values=v) for v in out], time.monotonic() - t0
+
+    @map_errors
+    async def ComputeLogprobs(self, request, context):
+        out, secs = await self._score(request, "logprobs", context)
+        return learner_pb2.ComputeLogprobsResponse(
+            logprobs=out, policy_version=self.trainer.version, seconds=secs
+        )
+
+    @map_errors
+    async def ComputeValues(self, request, context):
+        out, secs = await self._score(request, "values", context)
+        return learner_pb2.ComputeValuesResponse(values=out, step=self.trainer.step, seconds=secs)
+
     @map_errors
     async def GetStatus(self, request, context):
         return learner_pb2.GetStatusResponse(
@@ -271,6 +293,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             step=self.trainer.step,
             policy_version=self.trainer.version,
             ready=self.broken is None,
+            role=self.core.role,
             generators=[
                 learner_pb2.RegisteredGenerator(replica_id=r, address=a, policy_version=v, transport=t)
                 for r, a, v, t in self.sync.members()

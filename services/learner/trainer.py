@@ -19,7 +19,6 @@ import random
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,22 +26,27 @@ import torch.distributed as dist
 from relayrl.common import weightsync as ws
 from relayrl.learner.batching import plan_step
 from relayrl.learner.config import LearnerConfig
-from relayrl.learner.logprobs import chunk_rows, completion_hidden, token_logprobs
-from relayrl.learner.losses import LossInputs, Totals, policy_loss
+from relayrl.learner.logprobs import chunk_rows
+from relayrl.learner.losses import LossInputs, Totals, policy_loss, value_loss
+from relayrl.learner.models import Policy, ValueModel
+from relayrl.learner.samples import Batch, Sample, to_batch
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class Sample:
-    """One training sample, decoded from the wire."""
-
-    prompt: list[int]
-    completion: list[int]
-    behavior_logprobs: list[float]
-    advantage: float
-    loss_mask: list[float]
-    token_advantages: list[float] = field(default_factory=list)  # replace ``advantage`` when set
+METRIC_SUMS = {
+    "actor": ("clipped", "kl", "tis_weight"),
+    "critic": ("vf_clipped", "vf_sq_err"),
+    "reference": (),
+}
+"""Per role, the loss's metric sums a step adds up over micro-batches and ranks (then divides by
+the step's tokens), under the names of ``METRIC_NAMES``."""
+METRIC_NAMES = {
+    "clipped": "clip_fraction",
+    "tis_weight": "tis_weight_mean",
+    "vf_clipped": "clip_fraction",
+    "vf_sq_err": "vf_mse",
+}
 
 
 def ds_config(cfg: LearnerConfig, hidden_size: int) -> dict:
@@ -87,37 +91,12 @@ def _lr_lambda(cfg: LearnerConfig):
     return f
 
 
-class Policy(torch.nn.Module):
-    """A Hugging Face causal LM that answers per-token log-probs and entropies of completion
-    tokens (``logprobs.py``: chunked, no full-vocabulary logits). It is DeepSpeed's root module,
-    so the backbone and the head run inside one forward and ZeRO-3's hooks see every module call.
-    ``lm`` keeps the HF model, whose parameter names are the checkpoint's."""
-
-    def __init__(self, lm: torch.nn.Module, rows_per_chunk: int):
-        super().__init__()
-        self.lm = lm
-        self.rows_per_chunk = rows_per_chunk
-
-    def forward(self, ids, targets, starts: list[int], width: int, temperature: float):
-        # No attention mask: rows are right-padded and attention is causal, so no real token
-        # attends to a pad (pads only come after it) and the pads' own outputs are masked out of
-        # every loss. Without a mask, attention takes its causal fast path (SDPA, flash).
-        hidden = self.lm.base_model(input_ids=ids).last_hidden_state
-        return token_logprobs(
-            self.lm.get_output_embeddings(),
-            completion_hidden(hidden, starts, width),
-            targets,
-            temperature,
-            self.rows_per_chunk,
-        )
-
-
 class Trainer:
     """A ZeRO-3 engine over a Hugging Face causal LM (one per rank)."""
 
     def __init__(self, cfg: LearnerConfig):
         import deepspeed
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
         from transformers.integrations import HfDeepSpeedConfig
 
         self.cfg = cfg
@@ -132,20 +111,37 @@ class Trainer:
         conf = ds_config(cfg, AutoConfig.from_pretrained(cfg.model).hidden_size)
         self._hf_ds = HfDeepSpeedConfig(conf)  # must stay alive: makes from_pretrained partition (zero.Init)
         self.model_config = AutoConfig.from_pretrained(cfg.model)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=self.dtype)
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
         rows = chunk_rows(self.model_config.vocab_size, cfg.logits_chunk_mib)
-        opt = torch.optim.AdamW(
-            model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay
-        )
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=Policy(model, rows), optimizer=opt, lr_scheduler=sched, config=conf
-        )
-        self.lm = model  # the HF model inside the engine: parameter names as in the checkpoint
+        self.role = cfg.role
+        if cfg.role == "critic":  # the backbone alone: no LM head, nor its optimizer state
+            backbone = AutoModel.from_pretrained(cfg.model, dtype=self.dtype)
+            module = ValueModel(backbone, self.model_config.hidden_size, self.dtype)
+            inner = backbone
+        else:
+            inner = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=self.dtype)
+            module = Policy(inner, rows)
+        if cfg.gradient_checkpointing and cfg.role != "reference":
+            inner.gradient_checkpointing_enable()
+        if cfg.role == "reference":  # frozen: no optimizer, forward only
+            self.engine, *_ = deepspeed.initialize(model=module, config=conf)
+            self.engine.train(False)
+            self.optimizer = self.scheduler = None
+        else:
+            opt = torch.optim.AdamW(
+                module.parameters(),
+                lr=cfg.optim.lr,
+                betas=cfg.optim.betas,
+                weight_decay=cfg.optim.weight_decay,
+            )
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
+            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=module, optimizer=opt, lr_scheduler=sched, config=conf
+            )
+        # The module whose parameter names are pushed and exported: the HF model for a policy
+        # (names as in its checkpoint), the whole value model for a critic.
+        self.lm = module if cfg.role == "critic" else inner
         self.ref = None
-        if cfg.loss.kl_coef > 0:
+        if cfg.loss.kl_coef > 0:  # the actor's in-process reference (config: actors only)
             ref_model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=self.dtype)
             self.ref, *_ = deepspeed.initialize(model=Policy(ref_model, rows), config=conf)
             self.ref.train(False)  # frozen reference: inference mode
@@ -155,40 +151,32 @@ class Trainer:
         self.max_len = getattr(self.model_config, "max_position_embeddings", 1 << 30)
 
     # -- training ------------------------------------------------------------------------
-    def _forward_logprobs(self, engine, ids, targets, starts, width):
-        return engine(ids, targets, starts, width, self.cfg.loss.temperature)
+    def _per_token(self, engine, b: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The module's per-token output: (log-probs, entropies) of a policy, (values, None) of a
+        critic."""
+        if self.role == "critic":
+            return engine(b.ids, b.starts, b.width), None
+        return engine(b.ids, b.targets, b.starts, b.width, self.cfg.loss.temperature)
 
-    def _tensors(self, batch: list[Sample]):
-        width = max(len(s.completion) for s in batch)
-        total = max(len(s.prompt) + len(s.completion) for s in batch)
-        ids = torch.zeros(len(batch), total, dtype=torch.long)
-        targets = torch.zeros(len(batch), width, dtype=torch.long)
-        behavior = torch.zeros(len(batch), width, dtype=torch.float32)
-        mask = torch.zeros(len(batch), width, dtype=torch.float32)
-        adv = torch.zeros(len(batch), width, dtype=torch.float32)
-        for i, s in enumerate(batch):
-            seq = s.prompt + s.completion
-            ids[i, : len(seq)] = torch.tensor(seq)
-            n = len(s.completion)
-            targets[i, :n] = torch.tensor(s.completion)
-            if s.behavior_logprobs:
-                behavior[i, :n] = torch.tensor(s.behavior_logprobs)
-            mask[i, :n] = torch.tensor(s.loss_mask) if s.loss_mask else 1.0
-            adv[i, :n] = torch.tensor(s.token_advantages) if s.token_advantages else s.advantage
-        starts = [len(s.prompt) for s in batch]
-        dev = self.device
-        return (
-            ids.to(dev),
-            targets.to(dev),
-            behavior.to(dev),
-            mask.to(dev),
-            adv.to(dev),
-            starts,
-            width,
-        )
+    def _loss(self, b: Batch, totals: Totals) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+        """One micro-batch's share of the step loss, its entropies and the metric sums."""
+        out, entropy = self._per_token(self.engine, b)
+        if self.role == "critic":
+            # Samples without old values (no clip) are their own centre: the clip is inactive.
+            clip = self.cfg.loss.value_clip
+            loss, stats = value_loss(out, b.old_values, b.returns, b.mask, clip, "token", totals)
+            return loss, None, stats
+        ref_logp = None
+        if self.ref is not None:
+            with torch.no_grad():
+                ref_logp, _ = self._per_token(self.ref, b)
+        loss, stats = policy_loss(LossInputs(out, b.behavior, b.adv, b.mask, ref_logp), self.cfg.loss, totals)
+        return loss, entropy, stats
 
     def train_step(self, samples: list[Sample], max_completion_tokens: int) -> dict[str, float]:
         """One optimizer step on ``samples`` (the whole step's batch; every rank gets all of it)."""
+        if self.role == "reference":
+            raise RuntimeError("a reference is frozen: it takes no training step")
         t0 = time.monotonic()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -198,36 +186,23 @@ class Trainer:
         totals = Totals(
             tokens=max(1, int(total_tokens)), sequences=len(samples), max_tokens=max_completion_tokens
         )
+        names = METRIC_SUMS[self.role]
         # On the training device: an NCCL group takes no CPU tensor (issue 13 found this one).
-        sums = torch.zeros(5, dtype=torch.float64, device=self.device)  # loss, entropy, clipped, kl, tis
+        sums = torch.zeros(2 + len(names), dtype=torch.float64, device=self.device)  # loss, entropy, ...
         self.engine.train()
         for k, mb in enumerate(plan):
             self.engine.set_gradient_accumulation_boundary(k == len(plan) - 1)
             # An empty micro-batch still runs forward/backward (weight 0): ZeRO-3 reduces
             # gradients inside backward, so every rank must run as many as the others.
-            batch = [samples[i] for i in mb] or [samples[0]]
-            scale = 1.0 if mb else 0.0
-            ids, targets, behavior, mask, adv, starts, width = self._tensors(batch)
-            mask = mask * scale
-            logp, entropy = self._forward_logprobs(self.engine, ids, targets, starts, width)
-            ref_logp = None
-            if self.ref is not None:
-                with torch.no_grad():
-                    ref_logp, _ = self._forward_logprobs(self.ref, ids, targets, starts, width)
-            loss, stats = policy_loss(LossInputs(logp, behavior, adv, mask, ref_logp), self.cfg.loss, totals)
+            b = to_batch([samples[i] for i in mb] or [samples[0]], self.device)
+            b.mask = b.mask * (1.0 if mb else 0.0)
+            loss, entropy, stats = self._loss(b, totals)
             # ZeRO averages gradients over ranks; our loss is already a share of the global
             # mean, so undo the average.
             self.engine.backward(loss * self.world_size)
+            ent = float((entropy * b.mask).sum()) if entropy is not None else 0.0
             sums += torch.tensor(
-                [
-                    float(loss),
-                    float((entropy * mask).sum()),
-                    stats["clipped"],
-                    stats["kl"],
-                    stats["tis_weight"],
-                ],
-                dtype=torch.float64,
-                device=self.device,
+                [float(loss), ent, *(stats[n] for n in names)], dtype=torch.float64, device=self.device
             )
         lr = self.scheduler.get_last_lr()[0]
         self.engine.step()
@@ -242,13 +217,13 @@ class Trainer:
             self.step += 1
             self.version += 1
         t = float(totals.tokens)
+        per_token_means = {METRIC_NAMES.get(n, n): float(sums[2 + i]) / t for i, n in enumerate(names)}
         return {
             "applied": applied,
             "loss": float(sums[0]),
             "entropy": float(sums[1]) / t,
-            "clip_fraction": float(sums[2]) / t,
-            "kl": float(sums[3]) / t,
-            "tis_weight_mean": float(sums[4]) / t,
+            "kl": 0.0,
+            **per_token_means,
             "grad_norm": grad_norm,
             "lr": float(lr),
             "tokens": int(total_tokens),
@@ -257,6 +232,30 @@ class Trainer:
             "micro_batches": len(plan),
             "peak_memory_mb": _peak_memory_mb(self.device),
         }
+
+    def score(self, samples: list[Sample]) -> list[list[float]]:
+        """Forward only: per completion token, the log-prob (actor, reference) or the value
+        (critic). Collective: each rank scores its share (balanced as in training, the same
+        number of micro-batches everywhere for ZeRO-3's gathers), and one all-reduce of a flat
+        buffer, on the training device, gives every rank all of it."""
+        lengths = [len(s.prompt) + len(s.completion) for s in samples]
+        plan = plan_step(lengths, self.world_size, self.cfg.micro_batch_tokens)[self.rank]
+        sizes = [len(s.completion) for s in samples]
+        offsets = [0]
+        for n in sizes:
+            offsets.append(offsets[-1] + n)
+        flat = torch.zeros(offsets[-1], dtype=torch.float32, device=self.device)
+        self.engine.train(False)
+        with torch.no_grad():
+            for mb in plan:
+                out, _ = self._per_token(
+                    self.engine, to_batch([samples[i] for i in mb] or [samples[0]], self.device)
+                )
+                for row, i in enumerate(mb):
+                    flat[offsets[i] : offsets[i + 1]] = out[row, : sizes[i]].float()
+        dist.all_reduce(flat)
+        flat = flat.cpu()
+        return [flat[offsets[i] : offsets[i + 1]].tolist() for i in range(len(samples))]
 
     # -- weights -------------------------------------------------------------------------
     def param_metas(self, dtype: str) -> list[ws.TensorMeta]:

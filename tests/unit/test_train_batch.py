@@ -1,14 +1,19 @@
 """The coordinator's batch assembly: advantages per group (GRPO family) or per token over the
-batch (REINFORCE++), stale groups dropped."""
+batch (REINFORCE++, PPO's GAE with a critic and a KL to the reference in the reward), stale groups
+dropped. The critic and reference are stand-in clients answering fixed numbers: what is tested is
+how the coordinator turns them into the actor's and the critic's samples."""
 
 from __future__ import annotations
 
+import asyncio
+import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from relayrl.common.v1 import common_pb2
+from relayrl.coordinator.batch import Rollout, train_batch
 from relayrl.coordinator.config import AlgorithmSection, ScheduleSection
-from relayrl.coordinator.loop import Experiment, Rollout
 from relayrl.reward.v1 import reward_pb2 as rw
 
 
@@ -28,11 +33,30 @@ def _group(rewards: list[float], lengths: list[int], version: int = 3):
     return ({}, samples, results)
 
 
-def _train_batch(advantage: str, groups, version: int = 3, **algo):
-    cfg = SimpleNamespace(
+def _cfg(advantage: str, **algo):
+    return SimpleNamespace(
         algorithm=AlgorithmSection(advantage=advantage, **algo), schedule=ScheduleSection(max_staleness=1)
     )
-    return Experiment.train_batch(SimpleNamespace(cfg=cfg, version=version), Rollout(groups))
+
+
+def _train_batch(advantage: str, groups, version: int = 3, **algo):
+    tb = asyncio.run(train_batch(_cfg(advantage, **algo), version, Rollout(groups), "run"))
+    assert not tb.critic
+    return tb.actor, tb.stats
+
+
+class StandIn:
+    """A critic or reference as the coordinator sees it: fixed per-token numbers per call."""
+
+    def __init__(self, per_token: float):
+        self.per_token = per_token
+        self.calls: list[list] = []
+
+    async def compute_values(self, run_id, sequences):
+        self.calls.append(list(sequences))
+        return [[self.per_token] * len(s.completion_token_ids) for s in sequences]
+
+    compute_logprobs = compute_values
 
 
 def test_reinforce_pp_whitens_token_returns_over_the_whole_batch_and_keeps_flat_groups():
@@ -61,3 +85,66 @@ def test_grpo_stays_per_sequence_and_leaves_flat_groups_out():
     out, stats = _train_batch("grpo", [_group([1.0, 0.0], [2, 1]), _group([1.0, 1.0], [1, 1])])
     assert stats["zero_signal_groups"] == 1
     assert [round(s.advantage, 4) for s in out] == [1.0, -1.0] and not any(s.token_advantages for s in out)
+
+
+def test_gae_gives_the_actor_whitened_advantages_and_the_critic_returns_and_its_values():
+    critic = StandIn(0.25)
+    groups = [_group([1.0, 0.0], [2, 1])]
+    tb = asyncio.run(train_batch(_cfg("gae", gamma=1.0, lam=1.0), 3, Rollout(groups), "run", critic=critic))
+    assert [len(c) for c in critic.calls] == [2]  # one ComputeValues for the batch
+    # lam = gamma = 1: advantages are returns - values: [0.75, 0.75] and [-0.25], then whitened
+    raw = np.array([0.75, 0.75, -0.25])
+    white = (raw - raw.mean()) / raw.std(ddof=1)
+    assert [list(s.token_advantages) for s in tb.actor] == [
+        pytest.approx(white[:2]),
+        pytest.approx(white[2:]),
+    ]
+    assert [list(s.returns) for s in tb.critic] == [[1.0, 1.0], [0.0]]  # not whitened: value targets
+    assert [list(s.values) for s in tb.critic] == [[0.25, 0.25], [0.25]]
+    assert all(not s.generator_logprobs and not s.token_advantages for s in tb.critic)
+    # returns 1, 1, 0 against values .25: residuals .75, .75, -.25, var 2/9 vs returns' var 2/9
+    assert tb.stats["critic_explained_var"] == pytest.approx(
+        1 - np.var([0.75, 0.75, -0.25]) / np.var([1, 1, 0])
+    )
+
+
+def test_gae_with_lambda_below_one_trusts_the_critic():
+    critic = StandIn(0.5)
+    tb = asyncio.run(
+        train_batch(
+            _cfg("gae", gamma=1.0, lam=0.0), 3, Rollout([_group([1.0, 0.0], [2, 1])]), "run", critic=critic
+        )
+    )
+    # lam 0: A_t = r_t + V_{t+1} - V_t: [0 + .5 - .5, 1 - .5] and [0 - .5]
+    raw = np.array([0.0, 0.5, -0.5])
+    white = (raw - raw.mean()) / raw.std(ddof=1)
+    got = [x for s in tb.actor for x in s.token_advantages]
+    assert got == pytest.approx(white)
+    assert [list(s.returns) for s in tb.critic] == [[0.5, 1.0], [0.0]]  # advantages + values
+
+
+def test_the_kl_to_the_reference_is_taken_from_every_token_reward():
+    # generator log-probs -0.5 (see _group), reference -1.5: k1 = 1 per token, beta 0.1
+    ref = StandIn(-1.5)
+    tb = asyncio.run(
+        train_batch(
+            _cfg("reinforce_pp", kl_coef=0.1),
+            3,
+            Rollout([_group([1.0, 0.0], [2, 1])]),
+            "run",
+            reference=ref,
+            kl_coef=0.1,
+        )
+    )
+    assert tb.stats["kl_reward"] == pytest.approx(1.0) and tb.stats["kl_coef"] == 0.1
+    # token rewards [-.1, .9] and [-.1]; returns-to-go [.8, .9] and [-.1], whitened
+    raw = np.array([0.8, 0.9, -0.1])
+    white = (raw - raw.mean()) / raw.std(ddof=1)
+    assert [x for s in tb.actor for x in s.token_advantages] == pytest.approx(white)
+
+
+def test_explained_variance_is_nan_when_every_return_is_the_same():
+    tb = asyncio.run(
+        train_batch(_cfg("gae"), 3, Rollout([_group([1.0, 1.0], [1, 1])]), "run", critic=StandIn(0.0))
+    )
+    assert math.isnan(tb.stats["critic_explained_var"])

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TrainSample(_message.Message):
-    __slots__ = ("prompt_token_ids", "completion_token_ids", "generator_logprobs", "advantage", "policy_version", "loss_mask", "token_advantages")
+    __slots__ = ("prompt_token_ids", "completion_token_ids", "generator_logprobs", "advantage", "policy_version", "loss_mask", "token_advantages", "returns", "values")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GENERATOR_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,8 @@ class TrainSample(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
+    RETURNS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     completion_token_ids: _containers.RepeatedScalarFieldContainer[int]
     generator_logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -22,7 +24,9 @@ class TrainSample(_message.Message):
     policy_version: int
     loss_mask: _containers.RepeatedScalarFieldContainer[float]
     token_advantages: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., generator_logprobs: _Optional[_Iterable[float]] = ..., advantage: _Optional[float] = ..., policy_version: _Optional[int] = ..., loss_mask: _Optional[_Iterable[float]] = ..., token_advantages: _Optional[_Iterable[float]] = ...) -> None: ...
+    returns: _containers.RepeatedScalarFieldContainer[float]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., generator_logprobs: _Optional[_Iterable[float]] = ..., advantage: _Optional[float] = ..., policy_version: _Optional[int] = ..., loss_mask: _Optional[_Iterable[float]] = ..., token_advantages: _Optional[_Iterable[float]] = ..., returns: _Optional[_Iterable[float]] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TrainStepRequest(_message.Message):
     __slots__ = ("run_id", "step", "samples")
@@ -204,17 +208,69 @@ class RegisteredGenerator(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., policy_version: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("model", "world_size", "step", "policy_version", "ready", "generators")
+    __slots__ = ("model", "world_size", "step", "policy_version", "ready", "generators", "role")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     GENERATORS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     model: str
     world_size: int
     step: int
     policy_version: int
     ready: bool
     generators: _containers.RepeatedCompositeFieldContainer[RegisteredGenerator]
-    def __init__(self, model: _Optional[str] = ..., world_size: _Optional[int] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., ready: _Optional[bool] = ..., generators: _Optional[_Iterable[_Union[RegisteredGenerator, _Mapping]]] = ...) -> None: ...
+    role: str
+    def __init__(self, model: _Optional[str] = ..., world_size: _Optional[int] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., ready: _Optional[bool] = ..., generators: _Optional[_Iterable[_Union[RegisteredGenerator, _Mapping]]] = ..., role: _Optional[str] = ...) -> None: ...
+
+class TokenSequence(_message.Message):
+    __slots__ = ("prompt_token_ids", "completion_token_ids")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    completion_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TokenValues(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ComputeLogprobsRequest(_message.Message):
+    __slots__ = ("run_id", "sequences")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    sequences: _containers.RepeatedCompositeFieldContainer[TokenSequence]
+    def __init__(self, run_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ...) -> None: ...
+
+class ComputeLogprobsResponse(_message.Message):
+    __slots__ = ("logprobs", "policy_version", "seconds")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenValues]
+    policy_version: int
+    seconds: float
+    def __init__(self, logprobs: _Optional[_Iterable[_Union[TokenValues, _Mapping]]] = ..., policy_version: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class ComputeValuesRequest(_message.Message):
+    __slots__ = ("run_id", "sequences")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    sequences: _containers.RepeatedCompositeFieldContainer[TokenSequence]
+    def __init__(self, run_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ...) -> None: ...
+
+class ComputeValuesResponse(_message.Message):
+    __slots__ = ("values", "step", "seconds")
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedCompositeFieldContainer[TokenValues]
+    step: int
+    seconds: float
+    def __init__(self, values: _Optional[_Iterable[_Union[TokenValues, _Mapping]]] = ..., step: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...

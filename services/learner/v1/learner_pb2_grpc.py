@@ -75,6 +75,16 @@ class LearnerServiceStub:
                 request_serializer=relayrl_dot_learner_dot_v1_dot_learner__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=relayrl_dot_learner_dot_v1_dot_learner__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.ComputeLogprobs = channel.unary_unary(
+                '/relayrl.learner.v1.LearnerService/ComputeLogprobs',
+                request_serializer=relayrl_dot_learner_dot_v1_dot_learner__pb2.ComputeLogprobsRequest.SerializeToString,
+                response_deserializer=relayrl_dot_learner_dot_v1_dot_learner__pb2.ComputeLogprobsResponse.FromString,
+                _registered_method=True)
+        self.ComputeValues = channel.unary_unary(
+                '/relayrl.learner.v1.LearnerService/ComputeValues',
+                request_serializer=relayrl_dot_learner_dot_v1_dot_learner__pb2.ComputeValuesRequest.SerializeToString,
+                response_deserializer=relayrl_dot_learner_dot_v1_dot_learner__pb2.ComputeValuesResponse.FromString,
+                _registered_method=True)
 
 
 class LearnerServiceServicer:
@@ -156,6 +166,26 @@ class LearnerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ComputeLogprobs(self, request, context):
+        """Coordinator -> learner of role "reference" (or "actor"): per-token log-probs of each
+        sequence's completion tokens under the current weights (forward only, at the temperature of
+        loss.temperature), e.g. for a KL penalty in the reward. FAILED_PRECONDITION on a critic;
+        INVALID_ARGUMENT for sequences that cannot be scored (empty, ids out of the vocabulary, too
+        long). Changes nothing; runs one at a time with the other collective operations.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ComputeValues(self, request, context):
+        """Coordinator -> learner of role "critic": the value of the state before each completion
+        token (PPO's V(s_t)), per token. FAILED_PRECONDITION on an actor or a reference; otherwise
+        as ComputeLogprobs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LearnerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -198,6 +228,16 @@ def add_LearnerServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=relayrl_dot_learner_dot_v1_dot_learner__pb2.GetStatusRequest.FromString,
                     response_serializer=relayrl_dot_learner_dot_v1_dot_learner__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'ComputeLogprobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ComputeLogprobs,
+                    request_deserializer=relayrl_dot_learner_dot_v1_dot_learner__pb2.ComputeLogprobsRequest.FromString,
+                    response_serializer=relayrl_dot_learner_dot_v1_dot_learner__pb2.ComputeLogprobsResponse.SerializeToString,
+            ),
+            'ComputeValues': grpc.unary_unary_rpc_method_handler(
+                    servicer.ComputeValues,
+                    request_deserializer=relayrl_dot_learner_dot_v1_dot_learner__pb2.ComputeValuesRequest.FromString,
+                    response_serializer=relayrl_dot_learner_dot_v1_dot_learner__pb2.ComputeValuesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -417,6 +457,60 @@ class LearnerService:
             '/relayrl.learner.v1.LearnerService/GetStatus',
             relayrl_dot_learner_dot_v1_dot_learner__pb2.GetStatusRequest.SerializeToString,
             relayrl_dot_learner_dot_v1_dot_learner__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ComputeLogprobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayrl.learner.v1.LearnerService/ComputeLogprobs',
+            relayrl_dot_learner_dot_v1_dot_learner__pb2.ComputeLogprobsRequest.SerializeToString,
+            relayrl_dot_learner_dot_v1_dot_learner__pb2.ComputeLogprobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ComputeValues(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayrl.learner.v1.LearnerService/ComputeValues',
+            relayrl_dot_learner_dot_v1_dot_learner__pb2.ComputeValuesRequest.SerializeToString,
+            relayrl_dot_learner_dot_v1_dot_learner__pb2.ComputeValuesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,164 @@
+"""Samples: decoded from the wire (every problem an InvalidRequest naming the sample, raised on
+rank 0 before any collective starts), and padded into a micro-batch's tensors."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from relayrl.common.rpc import InvalidRequest
+from relayrl.learner.config import LearnerConfig
+from relayrl.learner.v1 import learner_pb2
+
+MAX_ABS_VALUE = 1e6
+"""Largest advantage, return or value magnitude accepted (normalised advantages are a few units;
+anything near float limits makes the loss and the gradient infinite)."""
+
+
+@dataclass
+class Sample:
+    """One training sample, decoded from the wire."""
+
+    prompt: list[int]
+    completion: list[int]
+    behavior_logprobs: list[float]
+    advantage: float
+    loss_mask: list[float]
+    token_advantages: list[float] = field(default_factory=list)  # replace ``advantage`` when set
+    returns: list[float] = field(default_factory=list)  # critic: value targets
+    old_values: list[float] = field(default_factory=list)  # critic: centre of the value clip
+
+
+@dataclass
+class Batch:
+    """A micro-batch as padded tensors on the training device; [B, width] unless stated."""
+
+    ids: torch.Tensor  # [B, prompt + completion]
+    targets: torch.Tensor
+    behavior: torch.Tensor
+    mask: torch.Tensor
+    adv: torch.Tensor
+    returns: torch.Tensor
+    old_values: torch.Tensor
+    starts: list[int]
+    width: int
+
+
+def to_batch(batch: list[Sample], device: torch.device) -> Batch:
+    """Samples -> padded tensors on ``device`` (the micro-batch a module runs on)."""
+    width = max(len(s.completion) for s in batch)
+    total = max(len(s.prompt) + len(s.completion) for s in batch)
+    ids = torch.zeros(len(batch), total, dtype=torch.long)
+    per_token = torch.zeros(6, len(batch), width, dtype=torch.float32)
+    targets = torch.zeros(len(batch), width, dtype=torch.long)
+    behavior, mask, adv, returns, old_values = (
+        per_token[0],
+        per_token[1],
+        per_token[2],
+        per_token[3],
+        per_token[4],
+    )
+    for i, s in enumerate(batch):
+        seq = s.prompt + s.completion
+        ids[i, : len(seq)] = torch.tensor(seq)
+        n = len(s.completion)
+        targets[i, :n] = torch.tensor(s.completion)
+        if s.behavior_logprobs:
+            behavior[i, :n] = torch.tensor(s.behavior_logprobs)
+        mask[i, :n] = torch.tensor(s.loss_mask) if s.loss_mask else 1.0
+        adv[i, :n] = torch.tensor(s.token_advantages) if s.token_advantages else s.advantage
+        if s.returns:
+            returns[i, :n] = torch.tensor(s.returns)
+        if s.old_values:
+            old_values[i, :n] = torch.tensor(s.old_values)
+
+    return Batch(
+        ids.to(device),
+        targets.to(device),
+        behavior.to(device),
+        mask.to(device),
+        adv.to(device),
+        returns.to(device),
+        old_values.to(device),
+        [len(s.prompt) for s in batch],
+        width,
+    )
+
+
+def check_tokens(where: str, prompt, completion, vocab_size: int, max_len: int) -> None:
+    """A sequence the model can run: non-empty parts, ids in the vocabulary, within its length."""
+    n = len(completion)
+    if not prompt or not n:
+        raise InvalidRequest(f"{where}: prompt_token_ids and completion_token_ids must be non-empty")
+    if len(prompt) + n > max_len:
+        raise InvalidRequest(f"{where}: {len(prompt) + n} tokens exceed the model's {max_len}")
+    if min(min(prompt), min(completion)) < 0 or max(max(prompt), max(completion)) >= vocab_size:
+        raise InvalidRequest(f"{where}: token ids must be in [0, {vocab_size})")
+
+
+def _finite_per_token(where: str, name: str, values, n: int, required: bool) -> None:
+    if (values or required) and len(values) != n:
+        raise InvalidRequest(f"{where}: {len(values)} {name} for {n} completion tokens")
+    if not all(abs(x) <= MAX_ABS_VALUE for x in values):  # also refuses NaN
+        raise InvalidRequest(f"{where}: {name} must be finite, |x| <= {MAX_ABS_VALUE:g}")
+
+
+def decode_samples(
+    req: learner_pb2.TrainStepRequest, vocab_size: int, max_len: int, cfg: LearnerConfig
+) -> list[Sample]:
+    """Wire samples -> ``Sample``; every problem raises InvalidRequest naming the sample. What a
+    sample must carry depends on the role: an actor trains on advantages and needs the generator's
+    log-probs (but SFT), a critic trains on returns (and the old values its clip is centred on)."""
+    if not req.samples:
+        raise InvalidRequest("samples is empty: nothing to train on")
+    critic = cfg.role == "critic"
+    sft = cfg.loss.kind == "sft" and not critic
+    out = []
+    for i, s in enumerate(req.samples):
+        n = len(s.completion_token_ids)
+        where = f"samples[{i}]"
+        check_tokens(where, s.prompt_token_ids, s.completion_token_ids, vocab_size, max_len)
+        if critic:
+            _finite_per_token(where, "returns", s.returns, n, required=True)
+            _finite_per_token(where, "values", s.values, n, required=cfg.loss.value_clip is not None)
+        if not (len(s.generator_logprobs) == n or ((sft or critic) and not s.generator_logprobs)):
+            raise InvalidRequest(
+                f"{where}: {len(s.generator_logprobs)} generator_logprobs for {n} completion tokens"
+            )
+        if s.loss_mask and len(s.loss_mask) != n:
+            raise InvalidRequest(f"{where}: {len(s.loss_mask)} loss_mask values for {n} completion tokens")
+        if not all(0.0 <= x <= 1.0 for x in s.loss_mask):  # also refuses NaN
+            raise InvalidRequest(f"{where}: loss_mask values must be in [0, 1]")
+        if not abs(s.advantage) <= MAX_ABS_VALUE:  # also refuses NaN
+            raise InvalidRequest(
+                f"{where}: advantage is {s.advantage:g}; |advantage| must be <= {MAX_ABS_VALUE:g}"
+            )
+        _finite_per_token(where, "token_advantages", s.token_advantages, n, required=False)
+        if not all(-math.inf < x <= 0.0 for x in s.generator_logprobs):
+            raise InvalidRequest(f"{where}: generator_logprobs must be finite log-probabilities (<= 0)")
+        out.append(
+            Sample(
+                list(s.prompt_token_ids),
+                list(s.completion_token_ids),
+                list(s.generator_logprobs),
+                float(s.advantage),
+                list(s.loss_mask),
+                list(s.token_advantages),
+                list(s.returns),
+                list(s.values),
+            )
+        )
+    return out
+
+
+def decode_sequences(seqs, vocab_size: int, max_len: int) -> list[Sample]:
+    """ComputeLogprobs / ComputeValues sequences -> ``Sample`` (nothing to train on: no advantage,
+    no log-probs)."""
+    if not seqs:
+        raise InvalidRequest("sequences is empty: nothing to score")
+    out = []
+    for i, s in enumerate(seqs):
+        check_tokens(f"sequences[{i}]", s.prompt_token_ids, s.completion_token_ids, vocab_size, max_len)
+        out.append(Sample(list(s.prompt_token_ids), list(s.completion_token_ids), [], 0.0, []))
+    return out

@@ -278,6 +278,10 @@ class ExperimentConfig(StrictModel):
     @model_validator(mode="after")
     def _roles_fit_algorithm(self) -> ExperimentConfig:
         a = self.algorithm
+        if self.learner.role != "actor":
+            raise ValueError(
+                "learner.role: the learner section is the actor; the critic and reference have sections of their own"
+            )
         if a.kl_coef > 0 and a.advantage not in ("reinforce_pp", "gae"):
             raise ValueError(
                 "algorithm.kl_coef: a KL in the reward needs token-level advantages (reinforce_pp or gae); "
@@ -351,27 +355,36 @@ def resolve_paths(exp: ExperimentConfig, base: Path | None) -> ExperimentConfig:
     return exp
 
 
+INHERITED = {
+    "critic": ("model", "dtype", "world_size", "zero_stage", "micro_batch_tokens", "gradient_checkpointing",
+               "logits_chunk_mib", "optim", "security", "checkpoint_dir"),
+    "reference": ("model", "dtype", "zero_stage", "micro_batch_tokens", "logits_chunk_mib", "security",
+                  "checkpoint_dir"),
+}  # fmt: skip
+"""What the critic and the reference take from the learner section where their own leaves a field
+unset (nested fields one by one: ``critic.optim.lr`` alone keeps the learner's schedule)."""
+
+
 def _fill_roles(exp: ExperimentConfig) -> None:
-    """The critic and reference sections the algorithm needs, from the learner's where unset:
-    same model, dtype, security and checkpoint folder; the critic also its ranks and optimizer."""
-    base = {"model": exp.learner.model, "dtype": exp.learner.dtype, "security": exp.learner.security}
-    base["checkpoint_dir"] = exp.learner.checkpoint_dir
+    """The critic and reference sections the algorithm needs, from the learner's where unset."""
     if exp.needs_critic:
-        given = exp.critic or LearnerConfig(
-            world_size=exp.learner.world_size, optim=exp.learner.optim.model_copy()
-        )
-        exp.critic = _role(given, "critic", base, exp)
+        exp.critic = _role(exp.critic, "critic", exp)
     if exp.needs_reference:
-        exp.reference = _role(exp.reference or LearnerConfig(), "reference", base, exp)
+        exp.reference = _role(exp.reference, "reference", exp)
 
 
-def _role(section: LearnerConfig, role: str, base: dict, exp: ExperimentConfig) -> LearnerConfig:
-    fields = section.model_fields_set
-    update = {k: v for k, v in base.items() if k not in fields}
-    out = LearnerConfig.model_validate({**section.model_dump(), **update, "role": role})
+def _merge(base: dict, given: dict) -> dict:
+    out = dict(base)
+    for k, v in given.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _role(section: LearnerConfig | None, role: str, exp: ExperimentConfig) -> LearnerConfig:
+    base = exp.learner.model_dump(include=set(INHERITED[role]))
+    given = section.model_dump(exclude_unset=True) if section is not None else {}
+    out = LearnerConfig.model_validate({**_merge(base, given), "role": role})
     out.loss.temperature = exp.learner.loss.temperature  # log-probs as the generators sample
-    if out.security == ClientSecurity():
-        out.security = exp.learner.security.model_copy()
     return out
 
 

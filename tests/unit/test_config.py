@@ -64,6 +64,10 @@ def test_dotted_overrides_parse_yaml_values(tmp_path):
         ),
         ("learner.loss.aggregation=sequence", "dapo averages per token"),
         ("services.learner=host:1", "give addresses for generators, rewards and learner, or none"),
+        ("algorithm.kl_coef=0.1", "algorithm.kl_coef: a KL in the reward needs token-level advantages"),
+        ("critic={world_size: 1}", "critic: only algorithm.advantage gae uses a critic"),
+        ("algorithm.critic_warmup=2", "only algorithm.advantage gae has a critic"),
+        ("learner.role=critic", "learner.role: the learner section is the actor"),
     ],
 )
 def test_bad_values_name_the_field(tmp_path, override, needle):
@@ -136,3 +140,61 @@ def _models_in(annotation):
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
     return [m for a in get_args(annotation) for m in _models_in(a)]
+
+
+def test_ppo_gets_critic_and_reference_sections_from_the_learners(tmp_path):
+    over = [
+        "algorithm.advantage=gae",
+        "algorithm.kl_coef=0.05",
+        "learner.world_size=2",
+        "learner.dtype=bfloat16",
+    ]
+    over += ["sampling.temperature=0.7", "critic.optim.lr=1e-4"]
+    exp = load_experiment(write(tmp_path, MINIMAL), over)
+    assert list(exp.role_sections()) == ["learner", "critic", "reference"]
+    c, r = exp.critic, exp.reference
+    assert (c.role, r.role) == ("critic", "reference")
+    assert c.model == r.model == exp.learner.model == str(tmp_path / "models/tiny")
+    assert c.world_size == 2 and r.world_size == 1 and c.dtype == r.dtype == "bfloat16"
+    assert c.optim.lr == 1e-4 and exp.learner.optim.lr == 1e-5  # the critic's own rate, set by the user
+    assert r.loss.temperature == 0.7  # log-probs at the temperature the generators sample with
+    # written back (a resumed run's config.yaml) it loads to the same sections
+    again = ExperimentConfig.model_validate(read_yaml_text(dump_yaml(exp)))
+    assert again.critic == c and again.reference == r
+
+
+def read_yaml_text(text: str) -> dict:
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def test_grpo_starts_no_critic_or_reference(tmp_path):
+    exp = load_experiment(write(tmp_path, MINIMAL))
+    assert list(exp.role_sections()) == ["learner"] and exp.critic is None and exp.reference is None
+
+
+def test_a_deployed_ppo_run_needs_the_critic_and_reference_addresses(tmp_path):
+    deployed = ["services.generators=[g:1]", "services.rewards=[r:1]", "services.learner=l:1"]
+    with pytest.raises(
+        ConfigError, match="services.critic: a deployed run with this algorithm needs its address"
+    ):
+        load_experiment(write(tmp_path, MINIMAL), [*deployed, "algorithm.advantage=gae"])
+    exp = load_experiment(
+        write(tmp_path, MINIMAL),
+        [
+            *deployed,
+            "algorithm.advantage=gae",
+            "services.critic=c:1",
+            "algorithm.kl_coef=0.1",
+            "services.reference=x:1",
+        ],
+    )
+    assert exp.services.critic == "c:1" and exp.services.reference == "x:1"
+
+
+def test_a_critic_or_reference_has_no_kl_term_of_its_own():
+    from relayrl.learner.config import LearnerConfig
+
+    with pytest.raises(ValueError, match="loss.kl_coef: a critic has no KL term"):
+        LearnerConfig(role="critic", loss={"kl_coef": 0.1})

@@ -481,7 +481,7 @@ def test_grafana_dashboard_uses_real_metric_names():
     for word in ("reward", "tokens/s", "sync", "staleness", "errors"):
         assert word in titles, f"no panel about {word}"
     known = _metric_samples()
-    loop = (ROOT / "services" / "coordinator" / "loop.py").read_text()
+    loop = "".join((ROOT / "services" / "coordinator" / f).read_text() for f in ("loop.py", "batch.py"))
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     for p in dash["panels"]:
         assert p["datasource"]["uid"] == uid and all(t["datasource"]["uid"] == uid for t in p["targets"])

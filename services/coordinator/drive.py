@@ -35,7 +35,9 @@ async def drive(
     # A dead generator must not fail every later push: the learner forgets it.
     gens = GeneratorPool(services.generators, deadline, on_down=learner.forget_soon, security=security)
     rewards = RewardPool(services.rewards, deadline, security=security)
-    exp = Experiment(cfg, run_dir, train_rows, test_rows, gens, rewards, learner, on_record, critic, reference)
+    exp = Experiment(
+        cfg, run_dir, train_rows, test_rows, gens, rewards, learner, on_record, critic, reference
+    )
     if stop is not None:
         exp.stop_requested = stop
     try:

@@ -94,7 +94,10 @@ class RayServices:
         for g, _pg in self.pgs:
             entry = next(e for e in self.record["placement_groups"] if e["name"] == g.name)
             entry["bundle_nodes"] = [where[role]["ip"] for role in g.roles]
-        self._start_learner(self.pgs[0][0], where)
+        for g, _pg in self.pgs:
+            role = g.roles[0].rsplit("-", 1)[0]
+            if role in c.role_sections():
+                self._start_learner(g, where, role)
         for i in range(c.services.generator_replicas):
             self._start_service(f"gen-{i}", "generator", c.generator, where, ["--replica-id", f"gen-{i}"])
         for i in range(c.services.reward_replicas):
@@ -192,8 +195,9 @@ class RayServices:
             }
             f.write(json.dumps(rec) + "\n")
 
-    def _start_learner(self, g: GroupPlan, where: dict) -> None:
-        """One DeepSpeed rank per learner bundle; rank 0 (named ``learner``) serves gRPC."""
+    def _start_learner(self, g: GroupPlan, where: dict, role: str) -> None:
+        """One DeepSpeed rank per bundle of a learner ``role`` (``learner``: the actor, ``critic``,
+        ``reference``); rank 0 (named as the role) serves gRPC."""
         import ray
 
         c = self.cfg
@@ -201,13 +205,14 @@ class RayServices:
         first = next(i for i, e in enumerate(assign_ranks(slots, 0)) if e.rank == 0)
         ranks = assign_ranks(slots, ray.get(self.hosts[g.roles[first]].free_port.remote()))
         ip0 = slots[first].ip
-        update = {"serve": c.learner.serve.model_copy(update={"host": self._bind(ip0), "port": 0})}
-        if not c.learner.weight_sync_host:  # what the generators dial to join the weight sync
+        section = c.role_sections()[role]
+        update = {"serve": section.serve.model_copy(update={"host": self._bind(ip0), "port": 0})}
+        if not section.weight_sync_host:  # what the generators dial to join the weight sync
             update["weight_sync_host"] = ip0
-        lcfg = learner_section(c, self.run_dir).model_copy(update=update)
+        lcfg = learner_section(c, self.run_dir, role).model_copy(update=update)
         for i in sorted(range(len(slots)), key=lambda i: ranks[i].rank):
             rank = ranks[i].rank
-            name = "learner" if rank == 0 else f"learner-rank{rank}"
+            name = role if rank == 0 else f"{role}-rank{rank}"
             with self._lock:
                 self.hosts[name] = self.hosts.pop(g.roles[i])
             where[name] = where.pop(g.roles[i])
@@ -226,7 +231,10 @@ class RayServices:
 
         pending = {
             name: self.hosts[name].wait.remote(max(1.0, deadline - time.monotonic()), where[name]["ip"])
-            for name in ["learner", *(n for n in self.hosts if n.startswith(("gen-", "reward-")))]
+            for name in [
+                *self.cfg.role_sections(),
+                *(n for n in self.hosts if n.startswith(("gen-", "reward-"))),
+            ]
         }
         addresses: dict[str, str] = {}
         while pending:
@@ -249,9 +257,17 @@ class RayServices:
                     f"not serving within {self.cfg.ray.start_timeout_seconds:.0f}s: {sorted(pending)}"
                 )
         self.learner = addresses.pop("learner")
+        self.critic = addresses.pop("critic", "")
+        self.reference = addresses.pop("reference", "")
         self.generators = {n: a for n, a in sorted(addresses.items()) if n.startswith("gen-")}
         self.rewards = {n: a for n, a in sorted(addresses.items()) if n.startswith("reward-")}
-        for name, addr in [("learner", self.learner), *self.generators.items(), *self.rewards.items()]:
+        roles = [(n, a) for n, a in (("critic", self.critic), ("reference", self.reference)) if a]
+        for name, addr in [
+            ("learner", self.learner),
+            *roles,
+            *self.generators.items(),
+            *self.rewards.items(),
+        ]:
             self.record["services"][name]["address"] = addr
             print(f"ray: {name} serving on {addr}", flush=True)
 

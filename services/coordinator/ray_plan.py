@@ -3,14 +3,15 @@ functions of the experiment config and of where Ray put the bundles, so they tes
 
 In: an ``ExperimentConfig`` (``learner.world_size``, ``services.*_replicas``,
 ``generator.engine.tensor_parallel_size``, the ``ray`` section) and whether bundles hold GPUs.
-Out: two placement groups, each a list of bundles with the role of each bundle:
+Out: placement groups, each a list of bundles with the role of each bundle:
 
 - ``learner``: one bundle per ZeRO-3 rank (one GPU each on GPUs), ``ray.learner_strategy``
-  (PACK: one node when the ranks fit, several otherwise);
+  (PACK: one node when the ranks fit, several otherwise); likewise ``critic`` and ``reference``
+  when the algorithm uses them (PPO), each a learner of its own with its own ranks;
 - ``rollout``: one bundle per generator replica (``tensor_parallel_size`` GPUs, which vLLM needs on
   one node, hence one bundle), then one per reward replica (CPUs only), ``ray.rollout_strategy``.
 
-Two groups, not one, because a group has one strategy: the learner wants its ranks packed
+Separate groups, not one, because a group has one strategy: the learner wants its ranks packed
 (NCCL inside a node is fastest) while replicas may be spread.
 
 Then ``assign_ranks`` numbers the learner ranks from where the bundles landed, the way torchrun
@@ -34,7 +35,8 @@ class GroupPlan:
     strategy: str
     bundles: list[dict[str, float]]
     roles: list[str]
-    """``learner-<rank slot>``, ``gen-<i>`` or ``reward-<i>``, one per bundle."""
+    """``<learner role>-<rank slot>`` (``learner``, ``critic``, ``reference``), ``gen-<i>`` or
+    ``reward-<i>``, one per bundle."""
 
 
 def plan(cfg: ExperimentConfig, gpus: bool, run_id: str) -> list[GroupPlan]:
@@ -47,6 +49,16 @@ def plan(cfg: ExperimentConfig, gpus: bool, run_id: str) -> list[GroupPlan]:
     ... # doctest: +NORMALIZE_WHITESPACE
     [('relayrl-r-learner', 'PACK', [{'CPU': 1.0}, {'CPU': 1.0}]),
      ('relayrl-r-rollout', 'PACK', [{'CPU': 1.0}, {'CPU': 2.0}])]
+
+    PPO adds a group per learner role (the critic and the reference, here from ``resolve_paths``):
+
+    >>> from relayrl.coordinator.config import resolve_paths
+    >>> ppo = resolve_paths(cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(
+    ...     update={"advantage": "gae", "kl_coef": 0.1})}), None)
+    >>> [(g.name, g.roles) for g in plan(ppo, gpus=True, run_id="r")][:3]
+    ... # doctest: +NORMALIZE_WHITESPACE
+    [('relayrl-r-learner', ['learner-0', 'learner-1']), ('relayrl-r-critic', ['critic-0', 'critic-1']),
+     ('relayrl-r-reference', ['reference-0'])]
     """
     r = cfg.ray
     rank = {"CPU": r.learner_cpus_per_rank, **({"GPU": 1.0} if gpus else {})}
@@ -54,14 +66,17 @@ def plan(cfg: ExperimentConfig, gpus: bool, run_id: str) -> list[GroupPlan]:
     gen = {"CPU": r.generator_cpus, **({"GPU": float(tp)} if gpus else {})}
     reward = {"CPU": float(r.reward_cpus if r.reward_cpus is not None else cfg.reward.workers)}
     n_gen, n_reward = cfg.services.generator_replicas, cfg.services.reward_replicas
-    world = cfg.learner.world_size
-    return [
+    learners = [
         GroupPlan(
-            f"relayrl-{run_id}-learner",
+            f"relayrl-{run_id}-{role}",
             r.learner_strategy,
-            [dict(rank) for _ in range(world)],
-            [f"learner-{i}" for i in range(world)],
-        ),
+            [dict(rank) for _ in range(section.world_size)],
+            [f"{role}-{i}" for i in range(section.world_size)],
+        )
+        for role, section in cfg.role_sections().items()
+    ]
+    return [
+        *learners,
         GroupPlan(
             f"relayrl-{run_id}-rollout",
             r.rollout_strategy,

@@ -245,6 +245,33 @@ def test_launch_ray_runs_trains_resumes_and_cleans_up(ray_head, workspace):
     assert _wait_gone(ray_head, run_dir) == []
 
 
+def test_launch_ray_runs_ppo_with_critic_and_reference_learners(ray_head, workspace):
+    """PPO's critic and reference are learners of their own under Ray: a placement group each,
+    rank 0 named after the role, trained (the critic) and asked (both) on every step."""
+    over = ["--set", "algorithm.advantage=gae", "--set", "algorithm.kl_coef=0.05"]
+    # 4 logical CPUs: the actor's 2 ranks, the critic's 2, the reference's 1 and the generator at
+    # half a CPU each, the reward replica 1
+    over += ["--set", "ray.learner_cpus_per_rank=0.5", "--set", "ray.generator_cpus=0.5"]
+    out = _finish(_launch(workspace, ray_head, str(_experiment(workspace, "rayppo", 2)), *over))
+    run_dir = next((workspace / "runs").glob("rayppo-*"))
+    assert f"{run_dir.name}: completed at step 2" in out
+    record = json.loads((run_dir / "ray.json").read_text())
+    pgs = {g["name"].rsplit("-", 1)[1]: g for g in record["placement_groups"]}
+    assert pgs["critic"]["roles"] == ["critic-0", "critic-1"] and pgs["reference"]["roles"] == ["reference-0"]
+    assert {g["state"] for g in record["placement_groups"]} == {"REMOVED"}
+    for role in ("critic", "reference"):
+        assert record["services"][role]["address"].startswith("127.0.0.1:"), out
+    launched = sorted(
+        json.loads(line)["name"] for line in (run_dir / "launch.jsonl").read_text().splitlines()
+    )
+    assert launched == sorted(
+        ["critic", "critic-rank1", "gen-0", "learner", "learner-rank1", "reference", "reward-0"]
+    )
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["critic_loss"] > 0 and "kl_reward" in r for r in steps), steps
+    assert _wait_gone(ray_head, run_dir) == []
+
+
 def test_ctrl_c_tears_down_services_and_placement_groups(ray_head, workspace):
     proc = _launch(workspace, ray_head, str(_experiment(workspace, "raystop", 500)))
     lines: list[str] = []

@@ -35,7 +35,7 @@ COMPOSE_DIR = DEPLOY / "compose"
 K8S = DEPLOY / "k8s"
 DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
 K8S_VERSION = "1.32.0"  # Kubernetes the manifests are validated against (pod-index label: >= 1.28)
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "cpu-ppo")
 # Parameter ids: a bare "gpu" id is a keyword tests/conftest.py skips on machines without CUDA.
 IDS = [f"{o}-overlay" for o in OVERLAYS]
 # The base renders on its own too; its commands and probes are checked like the overlays' (an

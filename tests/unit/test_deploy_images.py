@@ -264,14 +264,17 @@ def test_compose_services_and_profiles():
     assert cpu == {"init", *RELAYRL_SERVICES, "prometheus", "grafana"}
     assert gpu == {"init", "reward", "generator-gpu", "learner-gpu", "coordinator", "prometheus", "grafana"}
     assert one == {"init", "reward", "generator-1gpu", "learner-1gpu", "coordinator", "prometheus", "grafana"}
+    assert active_services(compose, ["cpu", "ppo"]) == cpu | {"critic", "reference"}  # PPO's roles, opt-in
     for name in ("generator", "learner"):  # the same name on every profile for experiment and Prometheus
         for suffix in ("-gpu", "-1gpu"):
             assert compose["services"][f"{name}{suffix}"]["networks"]["default"]["aliases"] == [name]
 
 
 COMPOSE_RELAYRL = [
-    "reward", "generator", "learner", "coordinator", "generator-gpu", "learner-gpu", "generator-1gpu", "learner-1gpu"
+    "reward", "generator", "learner", "coordinator", "generator-gpu", "learner-gpu", "generator-1gpu", "learner-1gpu",
+    "critic", "reference",
 ]  # fmt: skip
+LEARNER_ROLES = ("critic", "reference")  # learners of another role, served by `relayrl serve learner`
 
 
 def on_gpu(name: str) -> bool:
@@ -282,8 +285,11 @@ def on_gpu(name: str) -> bool:
 def test_compose_relayrl_service(name, secrets_dir):
     compose = load_compose()
     svc, argv, args, config = compose_relayrl(compose, name, secrets_dir)
-    base = name.removesuffix("-gpu").removesuffix("-1gpu")
+    role = name.removesuffix("-gpu").removesuffix("-1gpu")
+    base = "learner" if role in LEARNER_ROLES else role
     assert args.service == base and config.serve.host == "0.0.0.0"
+    if base == "learner":
+        assert config.role == ("actor" if role == "learner" else role)
     port = config.serve.port
     assert svc["ports"] == [f"127.0.0.1:{port}:{port}"]
     assert healthcheck_target(svc["healthcheck"]["test"][1:]) == (port, FULL_NAME[base])
@@ -302,8 +308,10 @@ def test_compose_relayrl_service(name, secrets_dir):
         assert build["target"] == target
         assert "models:/models:ro" in svc["volumes"] and config_model(config) == "/models/policy"
         assert svc["depends_on"]["init"]["condition"] == "service_completed_successfully"
-    if base == "learner":
+    if base == "learner" and role != "reference":  # the reference is frozen: nothing to checkpoint
         assert "runs:/runs" in svc["volumes"]  # checkpoints go to the run folder the coordinator names
+        assert config.checkpoint_dir == "/runs"  # relative paths of the coordinator resolve there
+    if role == "learner":
         assert config.weight_sync_host == "learner"
 
 
@@ -324,7 +332,7 @@ def test_compose_service_serves_calls_and_probes_with_tls_from_secrets(name, sec
     assert_serves_tls_from(config, COMPOSE_SECRETS)
     probe = svc["healthcheck"]["test"][1:]
     assert_probes_over_tls(probe, COMPOSE_SECRETS)
-    if args.service == "learner":  # rank 0 calls the generators (weight-sync control)
+    if name.startswith("learner"):  # rank 0 calls the generators (weight-sync control)
         assert_calls_with(config.security, COMPOSE_SECRETS)
     used = secret_paths(argv) | secret_paths(probe)
     assert used <= mounted_secrets(svc), (
@@ -423,6 +431,17 @@ def test_compose_volumes_and_experiment(secrets_dir):
     assert secret_paths(list(exp.services.security.model_dump().values())) <= mounted_secrets(coord)
     # The documented command: `docker compose run --rm --name relayrl-run coordinator relayrl run ...`
     check_cli(["relayrl", "run", "/experiments/experiment.yaml"])
+    # PPO: the same, plus the critic and the reference of the `ppo` profile
+    assert mounts["/experiments/experiment-ppo.yaml"].startswith("./experiment-ppo.yaml:")
+    ppo = load_experiment(COMPOSE_DIR / "experiment-ppo.yaml")
+    assert ppo.algorithm.advantage == "gae" and ppo.needs_reference
+    for role in LEARNER_ROLES:
+        assert (
+            getattr(ppo.services, role)
+            == f"{role}:{compose_relayrl(compose, role, secrets_dir)[3].serve.port}"
+        )
+    assert ppo.services.model_copy(update={"critic": None, "reference": None}) == exp.services
+    check_cli(["relayrl", "run", "/experiments/experiment-ppo.yaml"])
     init = compose["services"]["init"]
     (tiny,) = relayrl_invocations(init["command"])
     check_cli(tiny)
@@ -440,7 +459,7 @@ def prometheus_targets(path: Path) -> dict[str, list[str]]:
 def test_compose_prometheus_scrapes_every_metrics_port(secrets_dir):
     compose = load_compose()
     targets = prometheus_targets(COMPOSE_DIR / "prometheus.yml")
-    for name in RELAYRL_SERVICES:
+    for name in (*RELAYRL_SERVICES, *LEARNER_ROLES):
         assert f"{name}:{compose_relayrl(compose, name, secrets_dir)[3].serve.metrics_port}" in targets[name]
     for name in ("generator", "learner"):  # the GPU variants answer on the same names and ports
         assert (

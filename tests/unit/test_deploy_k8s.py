@@ -274,6 +274,13 @@ def _serve(doc: dict, secrets: Path) -> tuple[dict, list[str], object]:
 
 
 SERVERS = ("generator", "reward", "coordinator", "learner")
+LEARNER_ROLES = ("critic", "reference")  # PPO's other learners (the cpu-ppo overlay)
+
+
+def servers(workloads: dict) -> list[str]:
+    return [*SERVERS, *(r for r in LEARNER_ROLES if r in workloads)]
+
+
 PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
 
 
@@ -296,12 +303,13 @@ def test_k8s_probes_check_grpc_health_over_tls(overlay, rendered, secrets_dir):
     """Kubernetes' grpc: probe speaks plaintext only: with TLS on, every probe runs the Python one,
     live ("") for startup and liveness, the service's full name for readiness."""
     workloads = _workloads(rendered[overlay])
-    for name in SERVERS:
+    for name in servers(workloads):
         c, _argv, config = _serve(workloads[name], secrets_dir)
         for probe in PROBES:
             assert set(c[probe]) & {"grpc", "tcpSocket", "httpGet"} == set(), f"{name} {probe}: not over TLS"
             argv = probe_argv(c, probe)
-            service = FULL_NAME[name] if probe == "readinessProbe" else ""
+            full = FULL_NAME["learner" if name in LEARNER_ROLES else name]
+            service = full if probe == "readinessProbe" else ""
             assert healthcheck_target(argv) == (config.serve.port, service), (name, probe)
             assert_probes_over_tls(argv, K8S_SECRETS)
             # Kubernetes kills an exec probe at timeoutSeconds: leave room for Python to start.
@@ -327,7 +335,7 @@ def _secret_volume(pod: dict, container: dict, mount_path: str) -> dict[str, tup
 @pytest.mark.parametrize("overlay", KUSTOMIZATIONS, ids=KIDS)
 def test_k8s_services_serve_and_call_with_tls_from_mounted_secrets(overlay, rendered, secrets_dir):
     workloads = _workloads(rendered[overlay])
-    for name in SERVERS:
+    for name in servers(workloads):
         pod = _pod_spec(workloads[name])
         c, argv, config = _serve(workloads[name], secrets_dir)
         assert_serves_tls_from(config, K8S_SECRETS)
@@ -453,6 +461,9 @@ def test_k8s_learner_statefulset_and_rendezvous(overlay, rendered, secrets_dir):
     assert int(flag(argv, "--nnodes")) == sts["spec"]["replicas"]
     assert int(flag(argv, "--master-port")) in {p["port"] for p in headless["spec"]["ports"]}
     assert config.weight_sync_host == flag(argv, "--master-addr")
+    # The coordinator's relative checkpoint paths resolve on the runs volume, in the run folder.
+    assert config.checkpoint_dir == "/runs"
+    assert "/runs" in {m["mountPath"] for m in c["volumeMounts"]}
     front = services["learner"]
     assert front["spec"]["selector"]["statefulset.kubernetes.io/pod-name"] == "learner-0"
     gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
@@ -493,6 +504,33 @@ def test_k8s_generators_and_experiment(overlay, rendered, tmp_path, secrets_dir)
     assert Path(gen.engine.model).parent.as_posix() == "/models"
 
 
+def test_k8s_ppo_overlay_adds_critic_and_reference_the_ppo_experiment_reaches(
+    rendered, tmp_path, secrets_dir
+):
+    docs = rendered["cpu-ppo"]
+    workloads, services = _workloads(docs), by_kind(docs, "Service")
+    assert (
+        set(LEARNER_ROLES) <= workloads.keys() and not set(LEARNER_ROLES) & _workloads(rendered["cpu"]).keys()
+    )
+    cm = by_kind(docs, "ConfigMap")["relayrl-experiment"]
+    (tmp_path / "experiment-ppo.yaml").write_text(cm["data"]["experiment-ppo.yaml"])
+    exp = load_experiment(tmp_path / "experiment-ppo.yaml")
+    assert exp.algorithm.advantage == "gae" and exp.needs_reference
+    for role in LEARNER_ROLES:
+        _c, _argv, config = _serve(workloads[role], secrets_dir)
+        assert config.role == role
+        host, port = getattr(exp.services, role).rsplit(":", 1)
+        assert host == role and config.serve.port == int(port)
+        assert int(port) in {p["port"] for p in services[role]["spec"]["ports"]}
+        assert workloads[role]["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(
+            config.serve.metrics_port
+        )
+    critic = _serve(workloads["critic"], secrets_dir)[2]
+    assert critic.checkpoint_dir == "/runs"  # its checkpoints land in the run folder, as the actor's
+    mounts = {m["mountPath"] for m in _pod_spec(workloads["critic"])["containers"][0]["volumeMounts"]}
+    assert "/runs" in mounts
+
+
 def test_k8s_gpu_overlay_requests_gpus_for_generator_and_learner_only(rendered):
     for overlay in OVERLAYS:
         with_gpu = {}
@@ -508,7 +546,7 @@ def test_k8s_gpu_overlay_requests_gpus_for_generator_and_learner_only(rendered):
                     with_gpu[doc["metadata"]["name"]] = int(req)
         assert with_gpu == ({"generator": 1, "learner": 1} if overlay == "gpu" else {}), overlay
         images = {c["image"] for d in rendered[overlay] for c in _containers(d)}
-        suffix = {"cpu": "-cpu", "gpu": "-cuda"}[overlay]
+        suffix = {"cpu": "-cpu", "gpu": "-cuda", "cpu-ppo": "-cpu"}[overlay]
         for img in images:
             if img.split(":")[0] in {"relayrl/generator", "relayrl/learner"}:
                 assert img.endswith(suffix), (overlay, img)

@@ -6,6 +6,25 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+SHOWN_ON_BAR = ("reward_mean", "eval_accuracy", "kl", "kl_reward", "critic_explained_var")
+SHOWN_ON_LINE = (
+    "reward_mean",
+    "eval_accuracy",
+    "loss",
+    "kl",
+    "entropy",
+    # PPO: the critic's value loss and how much of the returns' spread it explains, the KL to
+    # the reference in the reward and its coefficient (adaptive controller)
+    "critic_loss",
+    "critic_explained_var",
+    "kl_reward",
+    "kl_coef",
+    "time_generate",
+    "time_train",
+    "time_sync",
+)
+"""What a step shows: on a terminal's progress bar, and on the line per step in a log."""
+
 
 def progress(total: int, start: int):
     if sys.stderr.isatty():
@@ -16,26 +35,13 @@ def progress(total: int, start: int):
         def show(rec: dict) -> None:
             if "reward_mean" in rec:
                 bar.update(1)
-            post = {k: f"{rec[k]:.3f}" for k in ("reward_mean", "eval_accuracy", "kl") if k in rec}
+            post = {k: f"{rec[k]:.3f}" for k in SHOWN_ON_BAR if k in rec}
             bar.set_postfix(post)
 
         return show, bar.close
 
     def log_line(rec: dict) -> None:
-        parts = [f"step {rec['step']}/{total}"] + [
-            f"{k} {rec[k]:.3f}"
-            for k in (
-                "reward_mean",
-                "eval_accuracy",
-                "loss",
-                "kl",
-                "entropy",
-                "time_generate",
-                "time_train",
-                "time_sync",
-            )
-            if k in rec
-        ]
+        parts = [f"step {rec['step']}/{total}"] + [f"{k} {rec[k]:.3f}" for k in SHOWN_ON_LINE if k in rec]
         print("  ".join(parts), flush=True)
 
     return log_line, lambda: None

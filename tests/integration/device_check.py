@@ -140,6 +140,10 @@ def main(model: str, backend: str) -> None:
         if rank == 0:
             m = core.train(req, 0)
             assert m["applied"], m
+            seqs = [lp.TokenSequence(prompt_token_ids=s.prompt_token_ids, completion_token_ids=s.completion_token_ids)
+                    for s in req.samples]  # fmt: skip
+            scored = core.score(seqs, "logprobs")  # ComputeLogprobs: each rank's share, one all-reduce
+            assert [len(x) for x in scored] == [3] * 4 and all(v <= 0 for x in scored for v in x), scored
             plan = ws.plan_buckets(trainer.param_metas("float32"), 64 << 10)
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
@@ -163,7 +167,7 @@ def main(model: str, backend: str) -> None:
         else:
             core.follow()
     print(
-        f"rank {rank}: train, push, save, load, export: every collective tensor had an explicit device",
+        f"rank {rank}: train, score, push, save, load, export: every collective tensor had an explicit device",
         flush=True,
     )
     dist.barrier(group=core.control.group)

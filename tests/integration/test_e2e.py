@@ -147,6 +147,10 @@ def test_ppo_with_critic_and_reference_services_learns_then_resumes(workspace):
     assert coefs[0] == 0.05 and len(set(coefs)) == len(coefs)
     state = json.loads((run_dir / "checkpoints" / "coordinator.json").read_text())
     assert state["critic_step"] == 12
+    # the progress line shows the value loss, explained variance and the KL in the reward
+    line = next(x for x in res.stdout.splitlines() if x.startswith("step 12/12"))
+    for name in ("critic_loss", "critic_explained_var", "kl_reward", "kl_coef"):
+        assert f"{name} " in line, line
 
     res = _relayrl("run", "--resume", str(run_dir), "--set", "schedule.steps=14", cwd=root)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

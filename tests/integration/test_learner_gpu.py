@@ -73,3 +73,64 @@ def test_push_over_nccl_to_a_receiver_on_another_gpu(cuda_model):
         pytest.skip("NCCL refuses two ranks on one GPU: needs two GPUs (one GPU: the ipc transport)")
     res = torchrun("device_check.py", str(cuda_model), "nccl", nproc=1)
     assert "every collective tensor had an explicit device" in res.stdout
+
+
+def test_critic_and_reference_roles_on_cuda(cuda_model, tmp_path):
+    """PPO's other learners on CUDA, bfloat16: the reference's log-probs against transformers on
+    the same GPU; the critic's values, a step on returns, a checkpoint that restores them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    seqs = [
+        lp.TokenSequence(prompt_token_ids=s.prompt_token_ids, completion_token_ids=s.completion_token_ids)
+        for s in batch(5)
+    ]
+    common = [
+        "--model",
+        str(cuda_model),
+        "--world-size",
+        "1",
+        "--dtype",
+        "bfloat16",
+        "--checkpoint-dir",
+        str(tmp_path),
+    ]
+    with service(["learner", "--role", "reference", *common], tmp_path, timeout=600) as (addr, _):
+        stub = lg.LearnerServiceStub(grpc.insecure_channel(addr))
+        got = stub.ComputeLogprobs(lp.ComputeLogprobsRequest(sequences=seqs), timeout=600).logprobs
+    model = AutoModelForCausalLM.from_pretrained(cuda_model, dtype=torch.bfloat16).cuda()
+    for seq, lps in zip(seqs, got, strict=True):
+        p, c = list(seq.prompt_token_ids), list(seq.completion_token_ids)
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p + c], device="cuda")).logits[0].float()
+        want = torch.log_softmax(logits[len(p) - 1 : len(p) + len(c) - 1], -1)
+        want = want.gather(-1, torch.tensor(c, device="cuda")[:, None])[:, 0].cpu()
+        assert list(lps.values) == pytest.approx(want.tolist(), abs=0.1)  # bfloat16 kernels differ
+    with service(["learner", "--role", "critic", "--lr", "1e-4", *common], tmp_path, timeout=600) as (
+        addr,
+        _,
+    ):
+        stub = lg.LearnerServiceStub(grpc.insecure_channel(addr))
+
+        def values():
+            resp = stub.ComputeValues(lp.ComputeValuesRequest(sequences=seqs), timeout=600)
+            return [list(v.values) for v in resp.values]
+
+        v0 = values()
+        samples = [
+            lp.TrainSample(
+                prompt_token_ids=s.prompt_token_ids,
+                completion_token_ids=s.completion_token_ids,
+                returns=[1.0] * len(s.completion_token_ids),
+                values=v,
+            )
+            for s, v in zip(seqs, v0, strict=True)
+        ]
+        r = stub.TrainStep(lp.TrainStepRequest(step=1, samples=samples), timeout=600)
+        assert r.metrics.loss > 0 and r.metrics.extra["peak_memory_mb"] > 0
+        stub.SaveCheckpoint(lp.SaveCheckpointRequest(path="critic", tag="s1"), timeout=600)
+        v1 = values()
+        assert sum(map(sum, v1)) > sum(map(sum, v0))  # toward the returns
+        stub.TrainStep(lp.TrainStepRequest(step=2, samples=samples), timeout=600)
+        stub.LoadCheckpoint(lp.LoadCheckpointRequest(path="critic", tag="s1"), timeout=600)
+        assert values() == v1

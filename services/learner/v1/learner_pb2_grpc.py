@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class LearnerServiceStub:
-    """Training, weight distribution and checkpoints of one policy.
+    """Training, weight distribution and checkpoints of one policy (role "actor"), or of PPO's critic
+    (role "critic"), or forward passes of a frozen reference policy (role "reference").
     """
 
     def __init__(self, channel):
@@ -88,7 +89,8 @@ class LearnerServiceStub:
 
 
 class LearnerServiceServicer:
-    """Training, weight distribution and checkpoints of one policy.
+    """Training, weight distribution and checkpoints of one policy (role "actor"), or of PPO's critic
+    (role "critic"), or forward passes of a frozen reference policy (role "reference").
     """
 
     def TrainStep(self, request, context):
@@ -248,7 +250,8 @@ def add_LearnerServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class LearnerService:
-    """Training, weight distribution and checkpoints of one policy.
+    """Training, weight distribution and checkpoints of one policy (role "actor"), or of PPO's critic
+    (role "critic"), or forward passes of a frozen reference policy (role "reference").
     """
 
     @staticmethod

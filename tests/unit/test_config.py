@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 from relayrl.common.config import ConfigError, apply_overrides, dump_yaml, read_yaml
@@ -198,3 +199,12 @@ def test_a_critic_or_reference_has_no_kl_term_of_its_own():
 
     with pytest.raises(ValueError, match="loss.kl_coef: a critic has no KL term"):
         LearnerConfig(role="critic", loss={"kl_coef": 0.1})
+
+
+@pytest.mark.parametrize(
+    "path", sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml")), ids=lambda p: p.name
+)
+def test_every_example_loads(path):
+    exp = load_experiment(path)
+    if exp.algorithm.advantage == "gae":
+        assert exp.critic.role == "critic" and exp.critic.model == exp.learner.model

@@ -380,8 +380,22 @@ def _merge(base: dict, given: dict) -> dict:
     return out
 
 
+SERVE_INHERITED = {
+    "tls_cert",
+    "tls_key",
+    "tls_client_ca",
+    "token_file",
+    "insecure",
+    "max_message_mb",
+    "grace_seconds",
+}
+"""Who may call the critic and the reference, as the learner (its ``serve`` section less where it
+listens: the roles listen on ports of their own)."""
+
+
 def _role(section: LearnerConfig | None, role: str, exp: ExperimentConfig) -> LearnerConfig:
     base = exp.learner.model_dump(include=set(INHERITED[role]))
+    base["serve"] = exp.learner.serve.model_dump(include=SERVE_INHERITED)
     given = section.model_dump(exclude_unset=True) if section is not None else {}
     out = LearnerConfig.model_validate({**_merge(base, given), "role": role})
     out.loss.temperature = exp.learner.loss.temperature  # log-probs as the generators sample

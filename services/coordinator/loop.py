@@ -250,7 +250,8 @@ class Experiment:
         )
         state = json.loads(loaded.client_state_json)
         self.pos = Position(state["step"], state["epoch"], state["index"])
-        self.kl_coef = state.get("kl_coef", self.cfg.algorithm.kl_coef)
+        if self.cfg.algorithm.kl_target is not None:  # the adaptive controller's own state
+            self.kl_coef = state.get("kl_coef", self.cfg.algorithm.kl_coef)
         self.critic_step = critic.step if critic is not None else 0
         self.version = loaded.policy_version
         self.records = records
@@ -329,7 +330,8 @@ class Experiment:
                         "critic_vf_mse": m.extra.get("vf_mse", float("nan")),
                     }
                 )
-            if self.cfg.algorithm.kl_target is not None and "kl_reward" in stats:
+            # The controller follows the actor's drift: not while the critic warms up alone.
+            if self.cfg.algorithm.kl_target is not None and "kl_reward" in stats and samples:
                 a = self.cfg.algorithm
                 self.kl_coef = adaptive_kl_coef(
                     self.kl_coef, stats["kl_reward"], a.kl_target, a.kl_horizon, len(tb.actor)

@@ -189,6 +189,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         only = request.transport_only
         bucket_bytes = request.bucket_bytes or self.bucket_bytes
 
+        self.core.require("actor", what="PushWeights")
+
         async def push():
             async with self.lock:
                 if not only and request.version != self.trainer.version:

@@ -162,6 +162,19 @@ def test_ppo_gets_critic_and_reference_sections_from_the_learners(tmp_path):
     # written back (a resumed run's config.yaml) it loads to the same sections
     again = ExperimentConfig.model_validate(read_yaml_text(dump_yaml(exp)))
     assert again.critic == c and again.reference == r
+    assert c.serve.port == 0 and c.serve.host == "127.0.0.1"  # where it listens is its own
+
+
+def test_the_critic_and_reference_are_called_as_the_learner_is(tmp_path):
+    over = ["algorithm.advantage=gae", "algorithm.kl_coef=0.1", "learner.serve.tls_cert=c.pem"]
+    over += ["learner.serve.tls_key=k.pem", "learner.serve.token_file=tok", "learner.serve.port=50052"]
+    over += ["learner.serve.metrics_port=9466", "learner.serve.host=0.0.0.0"]
+    exp = load_experiment(write(tmp_path, MINIMAL), over)
+    for role in (exp.critic, exp.reference):
+        assert role.serve.tls_cert == str(tmp_path / "c.pem") and role.serve.token_file == str(
+            tmp_path / "tok"
+        )
+        assert (role.serve.host, role.serve.port, role.serve.metrics_port) == ("127.0.0.1", 0, None)
 
 
 def read_yaml_text(text: str) -> dict:

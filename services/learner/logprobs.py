@@ -57,28 +57,50 @@ def chunk_rows(vocab_size: int, chunk_mib: float) -> int:
     return max(1, int(chunk_mib * (1 << 20)) // (4 * vocab_size))
 
 
+def head_calls(n_rows: int, rows_per_chunk: int) -> int:
+    """Chunks (LM-head calls) for ``n_rows`` rows of at most ``rows_per_chunk`` each.
+
+    >>> head_calls(0, 883), head_calls(883, 883), head_calls(884, 883)
+    (1, 1, 2)
+    """
+    return max(1, -(-n_rows // rows_per_chunk))
+
+
 def token_logprobs(
     head: torch.nn.Module,
     hidden: torch.Tensor,
     targets: torch.Tensor,
     temperature: float,
     rows_per_chunk: int,
+    calls: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of ``targets`` [B, T] under ``head(hidden)`` / temperature (hidden [B, T, H]),
-    and per-token entropies, computed ``rows_per_chunk`` tokens at a time."""
+    and per-token entropies, computed ``rows_per_chunk`` tokens at a time.
+
+    ``calls``: call the head exactly this many times (chunks of equal size, trailing ones empty
+    when there are fewer rows), forward and, when recomputing, backward. Under ZeRO-3 every head
+    call gathers the head's weight with a collective, so every rank must make as many calls as
+    the others even when their micro-batches differ in size: the trainer passes the most any
+    rank needs (``head_calls``)."""
     b, t, h = hidden.shape
-    flat_h, flat_t = hidden.reshape(b * t, h), targets.reshape(b * t)
-    # Recomputing in backward bounds memory to one chunk; when everything fits in one chunk
-    # there is nothing to bound, and the recomputation would only cost time.
-    recompute = torch.is_grad_enabled() and hidden.requires_grad and b * t > rows_per_chunk
+    n = b * t
+    flat_h, flat_t = hidden.reshape(n, h), targets.reshape(n)
+    if calls is None:
+        if n == 0:  # an empty batch
+            empty = hidden.new_zeros(b, t, dtype=torch.float32)
+            return empty, empty
+        calls = head_calls(n, rows_per_chunk)
+    size = max(1, -(-n // calls))
+    # Recomputing in backward bounds memory to one chunk; with one chunk there is nothing to
+    # bound, and the recomputation would only cost time. Decided by ``calls`` alone, which every
+    # rank shares: a rank recomputing while another does not would also call the head unevenly.
+    recompute = torch.is_grad_enabled() and hidden.requires_grad and calls > 1
     picked, entropy = [], []
-    for i in range(0, b * t, rows_per_chunk):
-        args = (head, flat_h[i : i + rows_per_chunk], flat_t[i : i + rows_per_chunk], temperature)
+    for c in range(calls):
+        lo, hi = min(c * size, n), min((c + 1) * size, n)
+        args = (head, flat_h[lo:hi], flat_t[lo:hi], temperature)
         # Recompute the chunk's logits in backward instead of keeping them: that is the point.
         lp, ent = checkpoint(_chunk, *args, use_reentrant=False) if recompute else _chunk(*args)
         picked.append(lp)
         entropy.append(ent)
-    if not picked:  # an empty batch
-        empty = hidden.new_zeros(b, t, dtype=torch.float32)
-        return empty, empty
     return torch.cat(picked).reshape(b, t), torch.cat(entropy).reshape(b, t)

@@ -2,7 +2,8 @@
 backbone and the head run inside one forward and ZeRO-3's hooks see every module call).
 
 * ``Policy`` (actor, reference): a Hugging Face causal LM answering per-token log-probs and
-  entropies of completion tokens (``logprobs.py``: chunked, no full-vocabulary logits).
+  entropies of completion tokens (``logprobs.py``: chunked, no full-vocabulary logits; ``calls``
+  LM-head calls, the same on every rank).
 * ``ValueModel`` (critic): the same model's backbone (no LM head: for Qwen2.5-0.5B that is 136M
   parameters, and their optimizer state, not held) and a scalar value head, answering the value
   of the state before each completion token, PPO's V(s_t) (verl's critic reads the same
@@ -23,7 +24,9 @@ class Policy(torch.nn.Module):
         self.lm = lm
         self.rows_per_chunk = rows_per_chunk
 
-    def forward(self, ids, targets, starts: list[int], width: int, temperature: float):
+    def forward(
+        self, ids, targets, starts: list[int], width: int, temperature: float, calls: int | None = None
+    ):
         # No attention mask: rows are right-padded and attention is causal, so no real token
         # attends to a pad (pads only come after it) and the pads' own outputs are masked out of
         # every loss. Without a mask, attention takes its causal fast path (SDPA, flash).
@@ -34,6 +37,7 @@ class Policy(torch.nn.Module):
             targets,
             temperature,
             self.rows_per_chunk,
+            calls,
         )
 
 

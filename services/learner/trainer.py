@@ -26,7 +26,7 @@ import torch.distributed as dist
 from relayrl.common import weightsync as ws
 from relayrl.learner.batching import plan_step
 from relayrl.learner.config import LearnerConfig
-from relayrl.learner.logprobs import chunk_rows
+from relayrl.learner.logprobs import chunk_rows, head_calls
 from relayrl.learner.losses import LossInputs, Totals, policy_loss, value_loss
 from relayrl.learner.models import Policy, ValueModel
 from relayrl.learner.samples import Batch, Sample, to_batch
@@ -111,7 +111,7 @@ class Trainer:
         conf = ds_config(cfg, AutoConfig.from_pretrained(cfg.model).hidden_size)
         self._hf_ds = HfDeepSpeedConfig(conf)  # must stay alive: makes from_pretrained partition (zero.Init)
         self.model_config = AutoConfig.from_pretrained(cfg.model)
-        rows = chunk_rows(self.model_config.vocab_size, cfg.logits_chunk_mib)
+        rows = self.rows_per_chunk = chunk_rows(self.model_config.vocab_size, cfg.logits_chunk_mib)
         self.role = cfg.role
         if cfg.role == "critic":  # the backbone alone: no LM head, nor its optimizer state
             backbone = AutoModel.from_pretrained(cfg.model, dtype=self.dtype)
@@ -151,16 +151,35 @@ class Trainer:
         self.max_len = getattr(self.model_config, "max_position_embeddings", 1 << 30)
 
     # -- training ------------------------------------------------------------------------
-    def _per_token(self, engine, b: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _plan(self, samples: list[Sample]) -> list[tuple[list[int], int]]:
+        """This rank's micro-batches (sample indices; empty ones still run, see ``train_step``)
+        and for each the LM-head calls to make: the most any rank needs for its micro-batch of
+        that index. ZeRO-3 gathers the head's weight at every call, a collective: ranks whose
+        micro-batches differ in size must still call it as often as each other."""
+        lengths = [len(s.prompt) + len(s.completion) for s in samples]
+        plans = plan_step(lengths, self.world_size, self.cfg.micro_batch_tokens)
+
+        def rows(mb: list[int]) -> int:  # padded completion tokens of the micro-batch as run
+            batch = [samples[i] for i in mb] or [samples[0]]
+            return len(batch) * max(len(s.completion) for s in batch)
+
+        calls = [
+            max(head_calls(rows(p[k]), self.rows_per_chunk) for p in plans) for k in range(len(plans[0]))
+        ]
+        return list(zip(plans[self.rank], calls, strict=True))
+
+    def _per_token(self, engine, b: Batch, calls: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The module's per-token output: (log-probs, entropies) of a policy, (values, None) of a
         critic."""
         if self.role == "critic":
             return engine(b.ids, b.starts, b.width), None
-        return engine(b.ids, b.targets, b.starts, b.width, self.cfg.loss.temperature)
+        return engine(b.ids, b.targets, b.starts, b.width, self.cfg.loss.temperature, calls)
 
-    def _loss(self, b: Batch, totals: Totals) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+    def _loss(
+        self, b: Batch, totals: Totals, calls: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
         """One micro-batch's share of the step loss, its entropies and the metric sums."""
-        out, entropy = self._per_token(self.engine, b)
+        out, entropy = self._per_token(self.engine, b, calls)
         if self.role == "critic":
             # Samples without old values (no clip) are their own centre: the clip is inactive.
             clip = self.cfg.loss.value_clip
@@ -169,7 +188,7 @@ class Trainer:
         ref_logp = None
         if self.ref is not None:
             with torch.no_grad():
-                ref_logp, _ = self._per_token(self.ref, b)
+                ref_logp, _ = self._per_token(self.ref, b, calls)
         loss, stats = policy_loss(LossInputs(out, b.behavior, b.adv, b.mask, ref_logp), self.cfg.loss, totals)
         return loss, entropy, stats
 
@@ -180,8 +199,7 @@ class Trainer:
         t0 = time.monotonic()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        lengths = [len(s.prompt) + len(s.completion) for s in samples]
-        plan = plan_step(lengths, self.world_size, self.cfg.micro_batch_tokens)[self.rank]
+        plan = self._plan(samples)
         total_tokens = sum(sum(s.loss_mask) if s.loss_mask else len(s.completion) for s in samples)
         totals = Totals(
             tokens=max(1, int(total_tokens)), sequences=len(samples), max_tokens=max_completion_tokens
@@ -190,13 +208,13 @@ class Trainer:
         # On the training device: an NCCL group takes no CPU tensor (issue 13 found this one).
         sums = torch.zeros(2 + len(names), dtype=torch.float64, device=self.device)  # loss, entropy, ...
         self.engine.train()
-        for k, mb in enumerate(plan):
+        for k, (mb, calls) in enumerate(plan):
             self.engine.set_gradient_accumulation_boundary(k == len(plan) - 1)
             # An empty micro-batch still runs forward/backward (weight 0): ZeRO-3 reduces
             # gradients inside backward, so every rank must run as many as the others.
             b = to_batch([samples[i] for i in mb] or [samples[0]], self.device)
             b.mask = b.mask * (1.0 if mb else 0.0)
-            loss, entropy, stats = self._loss(b, totals)
+            loss, entropy, stats = self._loss(b, totals, calls)
             # ZeRO averages gradients over ranks; our loss is already a share of the global
             # mean, so undo the average.
             self.engine.backward(loss * self.world_size)
@@ -238,8 +256,7 @@ class Trainer:
         (critic). Collective: each rank scores its share (balanced as in training, the same
         number of micro-batches everywhere for ZeRO-3's gathers), and one all-reduce of a flat
         buffer, on the training device, gives every rank all of it."""
-        lengths = [len(s.prompt) + len(s.completion) for s in samples]
-        plan = plan_step(lengths, self.world_size, self.cfg.micro_batch_tokens)[self.rank]
+        plan = self._plan(samples)
         sizes = [len(s.completion) for s in samples]
         offsets = [0]
         for n in sizes:
@@ -247,9 +264,9 @@ class Trainer:
         flat = torch.zeros(offsets[-1], dtype=torch.float32, device=self.device)
         self.engine.train(False)
         with torch.no_grad():
-            for mb in plan:
+            for mb, calls in plan:
                 out, _ = self._per_token(
-                    self.engine, to_batch([samples[i] for i in mb] or [samples[0]], self.device)
+                    self.engine, to_batch([samples[i] for i in mb] or [samples[0]], self.device), calls
                 )
                 for row, i in enumerate(mb):
                     flat[offsets[i] : offsets[i + 1]] = out[row, : sizes[i]].float()

@@ -58,6 +58,43 @@ def test_every_collective_tensor_has_an_explicit_device(tiny_model_dir):
     assert res.stdout.count("every collective tensor had an explicit device") == 2
 
 
+def test_ranks_call_the_lm_head_alike_when_their_micro_batches_differ(tiny_model_dir, tmp_path):
+    """ZeRO-3 gathers the LM head's weight at every call, a collective over the ranks. With a
+    real vocabulary a micro-batch's logits take several chunks, as many as its rows need; ranks
+    whose shares differ in size then called the head unevenly and waited on each other's gathers
+    until the deadline (found in review, before any GPU run; this test timed out then). Chunks of
+    5 rows here (a 512-entry vocabulary at 0.01 MiB) do what Qwen's 151,936 entries do at the
+    default 512 MiB: train steps, with the recomputation in backward, and ComputeLogprobs must
+    finish and agree with the same run in one chunk."""
+    small = ("--set", "logits_chunk_mib=0.01")
+    results = {}
+    for name, extra in (("chunked", small), ("whole", ())):
+        (tmp_path / name).mkdir()
+        with learner(tiny_model_dir, tmp_path / name, *extra) as (addr, _):
+            stub = lg.LearnerServiceStub(grpc.insecure_channel(addr))
+            seqs = [
+                lp.TokenSequence(
+                    prompt_token_ids=s.prompt_token_ids, completion_token_ids=s.completion_token_ids
+                )
+                for s in batch(7)
+            ]
+            before = stub.ComputeLogprobs(lp.ComputeLogprobsRequest(sequences=seqs), timeout=120)
+            steps = [
+                stub.TrainStep(lp.TrainStepRequest(step=i, samples=batch(i)), timeout=120) for i in (1, 2)
+            ]
+            after = stub.ComputeLogprobs(lp.ComputeLogprobsRequest(sequences=seqs), timeout=120)
+            results[name] = (
+                [x for v in before.logprobs for x in v.values],
+                [s.metrics.loss for s in steps],
+                [x for v in after.logprobs for x in v.values],
+            )
+    (b1, l1, a1), (b2, l2, a2) = results["chunked"], results["whole"]
+    assert b1 == pytest.approx(b2, abs=1e-5)
+    assert l1 == pytest.approx(l2, rel=1e-4)
+    assert a1 == pytest.approx(a2, abs=1e-4)  # the same training, chunk size aside
+    assert a1 != pytest.approx(b1, abs=1e-4)  # and it did train
+
+
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir, tmp_path_factory):
     pytest.importorskip("deepspeed")

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 from relayrl.learner.config import LossConfig
-from relayrl.learner.logprobs import completion_hidden, token_logprobs
+from relayrl.learner.logprobs import completion_hidden, head_calls, token_logprobs
 from relayrl.learner.losses import LossInputs, Totals, policy_loss
-from relayrl.learner.trainer import Policy
+from relayrl.learner.models import Policy
 from torch.utils._python_dispatch import TorchDispatchMode
 
 VOCAB = 512
@@ -33,6 +33,38 @@ def test_hand_softmax_at_every_chunk_size():
     probs = [1 / z, math.sqrt(2) / z, math.sqrt(3) / z]
     assert picked.tolist()[0] == pytest.approx([math.log(math.sqrt(3) / z), math.log(1 / 3)], rel=1e-6)
     assert entropy.tolist()[0] == pytest.approx([-sum(p * math.log(p) for p in probs), math.log(3)], rel=1e-6)
+
+
+class CountingHead(torch.nn.Identity):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x
+
+
+@pytest.mark.parametrize("calls", [1, 2, 3, 5, 9])
+def test_a_set_number_of_head_calls_gives_the_same_values_and_gradients(calls):
+    """Ranks call the LM head as often as the rank that needs most (ZeRO-3 gathers its weight at
+    each call): fewer rows than calls leaves trailing chunks empty, and nothing else changes,
+    forward or backward (where each chunk is recomputed: the head is called again, as often)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 2, 7, generator=g)  # 4 rows: 9 calls leave 5 empty
+    targets = torch.randint(0, 7, (2, 2), generator=g)
+    ref = logits.clone().requires_grad_(True)
+    want = torch.log_softmax(ref, -1).gather(-1, targets[..., None])[..., 0]
+    want.sum().backward()
+    x = logits.clone().requires_grad_(True)
+    head = CountingHead()
+    picked, _ = token_logprobs(head, x, targets, 1.0, rows_per_chunk=1, calls=calls)
+    assert head.calls == calls
+    picked.sum().backward()
+    assert head.calls == (2 * calls if calls > 1 else 1)  # recomputed in backward, chunk by chunk
+    assert picked.flatten().tolist() == pytest.approx(want.flatten().tolist(), abs=1e-6)
+    assert x.grad.flatten().tolist() == pytest.approx(ref.grad.flatten().tolist(), abs=1e-6)
+    assert head_calls(4, 1) == 4 and head_calls(4, 3) == 2
 
 
 def tiny_lm(tied: bool, seed: int = 0, dtype=torch.float32):

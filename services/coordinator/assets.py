@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from relayrl.coordinator.config import ExperimentConfig
+from relayrl.coordinator.trackers import missing_packages
 
 
 def missing_inputs(cfg: ExperimentConfig) -> list[str]:
@@ -19,7 +20,7 @@ def missing_inputs(cfg: ExperimentConfig) -> list[str]:
     for path in (cfg.data.train, cfg.data.test):
         if path and not Path(path).is_file() and cfg.data.generate is None:
             problems.append(f"data file {path} does not exist (set data.generate to build it)")
-    return problems
+    return problems + missing_packages(cfg.tracking)
 
 
 def prepare(cfg: ExperimentConfig) -> None:

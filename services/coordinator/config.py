@@ -185,6 +185,31 @@ class ServicesSection(StrictModel):
         return self
 
 
+class WandbSection(StrictModel):
+    """Weights & Biases: every run metric, per step, to a W&B run named after the run folder."""
+
+    project: str = Field("relayrl", min_length=1, max_length=128)
+    """W&B project."""
+    entity: str | None = Field(None, min_length=1, max_length=128)
+    """W&B entity (user or team); None: the account's default."""
+    mode: Literal["offline", "online"] = "offline"
+    """offline: written under ``<run>/wandb`` with no network (``wandb sync`` uploads it later);
+    online: streamed to the W&B server (the API key from the environment, never this file)."""
+    tags: list[str] = Field(default_factory=list, max_length=64)
+    """Tags of the W&B run."""
+
+
+class TrackingSection(StrictModel):
+    """Experiment trackers besides ``metrics.jsonl`` and Prometheus. Nothing is logged anywhere
+    not asked for here: both are off by default."""
+
+    tensorboard: bool = False
+    """Write every run metric as TensorBoard scalars under ``<run>/tensorboard`` (``tensorboard
+    --logdir runs``)."""
+    wandb: WandbSection | None = None
+    """Log every run metric to Weights & Biases; None: off."""
+
+
 class ExperimentConfig(StrictModel):
     """A whole experiment."""
 
@@ -220,6 +245,8 @@ class ExperimentConfig(StrictModel):
     """Reward section."""
     ray: RaySection = Field(default_factory=RaySection)
     """Placement on a Ray cluster, for ``relayrl launch ray``."""
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
+    """TensorBoard and Weights & Biases logging (off unless turned on)."""
 
     @property
     def needs_critic(self) -> bool:

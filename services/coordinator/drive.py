@@ -13,6 +13,7 @@ from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.loop import Experiment
 from relayrl.coordinator.runfolder import load_records
 from relayrl.coordinator.service_set import ServiceSet
+from relayrl.coordinator.trackers import Trackers
 
 
 async def drive(
@@ -35,9 +36,14 @@ async def drive(
     # A dead generator must not fail every later push: the learner forgets it.
     gens = GeneratorPool(services.generators, deadline, on_down=learner.forget_soon, security=security)
     rewards = RewardPool(services.rewards, deadline, security=security)
-    exp = Experiment(
-        cfg, run_dir, train_rows, test_rows, gens, rewards, learner, on_record, critic, reference
-    )
+    trackers = Trackers(cfg.tracking, run_dir, cfg.model_dump(mode="json"))
+
+    def record(rec: dict) -> None:
+        trackers.log(rec)
+        if on_record:
+            on_record(rec)
+
+    exp = Experiment(cfg, run_dir, train_rows, test_rows, gens, rewards, learner, record, critic, reference)
     if stop is not None:
         exp.stop_requested = stop
     try:
@@ -51,6 +57,7 @@ async def drive(
     finally:
         await gens.close()
         await rewards.close()
+        trackers.close()
         for client in (learner, critic, reference):
             if client is not None:
                 await client.close()

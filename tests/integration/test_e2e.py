@@ -97,10 +97,27 @@ def test_reinforce_pp_trains_on_per_token_advantages_and_raises_heldout_accuracy
     at 12 and at 16 steps; the bound leaves half of that rise as margin)."""
     root, exp = workspace
     over = ["--set", "name=rpp", "--set", "algorithm.advantage=reinforce_pp"]
-    over += ["--set", "schedule.steps=12", "--set", "schedule.eval_every=6"]
+    over += [
+        "--set",
+        "schedule.steps=12",
+        "--set",
+        "schedule.eval_every=6",
+        "--set",
+        "tracking.tensorboard=true",
+    ]
     res = _relayrl("run", str(exp), *over, cwd=root)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    recs = _records(next((root / "runs").glob("rpp-*")))
+    run_dir = next((root / "runs").glob("rpp-*"))
+    recs = _records(run_dir)
+    # the TensorBoard event files asked for hold the run's metrics, step by step, as metrics.jsonl
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(run_dir / "tensorboard"))
+    ea.Reload()
+    assert [(e.step, round(e.value, 5)) for e in ea.Scalars("reward_mean")] == [
+        (r["step"], round(r["reward_mean"], 5)) for r in recs if "reward_mean" in r
+    ]
+    assert not (run_dir / "wandb").exists()  # not asked for: not there
     evals = [r["eval_accuracy"] for r in recs if "eval_accuracy" in r]
     steps = [r for r in recs if "reward_mean" in r]
     assert len(steps) == 12 and all(r["train_samples"] > 0 for r in steps)

@@ -1,0 +1,92 @@
+"""Trackers (``tracking``): TensorBoard event files and an offline W&B run hold every step's
+metrics, read back with TensorBoard's and wandb's own readers; nothing is written when off."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from relayrl.coordinator.config import TrackingSection, WandbSection
+from relayrl.coordinator.trackers import Trackers, missing_packages
+
+RECORDS = [
+    {"step": 0, "time": 1.0, "eval_accuracy": 0.25},
+    {"step": 1, "time": 2.0, "reward_mean": 0.5, "loss": -0.1, "critic_explained_var": float("nan")},
+    {"step": 2, "time": 3.0, "reward_mean": 0.75, "loss": 0.2, "eval_accuracy": 0.5, "synced": True},
+]
+
+
+def _log(t: TrackingSection, run_dir: Path, records=RECORDS) -> None:
+    trackers = Trackers(t, run_dir, {"name": "x"})
+    for r in records:
+        trackers.log(r)
+    trackers.close()
+
+
+def test_nothing_is_written_unless_asked(tmp_path):
+    _log(TrackingSection(), tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    assert missing_packages(TrackingSection()) == []
+
+
+def test_tensorboard_event_files_hold_every_scalar_per_step(tmp_path):
+    pytest.importorskip("tensorboardX")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _log(TrackingSection(tensorboard=True), tmp_path)
+    # a resumed run writes a second event file in the same folder; TensorBoard reads both
+    _log(TrackingSection(tensorboard=True), tmp_path, [{"step": 3, "time": 4.0, "reward_mean": 0.9}])
+    ea = EventAccumulator(str(tmp_path / "tensorboard"))
+    ea.Reload()
+    got = {tag: [(e.step, round(e.value, 6)) for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]}
+    assert got == {
+        "eval_accuracy": [(0, 0.25), (2, 0.5)],
+        "reward_mean": [(1, 0.5), (2, 0.75), (3, 0.9)],
+        "loss": [(1, -0.1), (2, 0.2)],
+    }  # NaN (no variance to explain) and booleans are left out
+    assert [e.wall_time for e in ea.Scalars("loss")] == [2.0, 3.0]
+
+
+def read_wandb_history(path: Path) -> list[tuple[int, dict]]:
+    """(step, values) of every history record of a ``.wandb`` file: wandb's protobuf ``Record``s
+    in the LevelDB log format (32 KiB blocks, 7-byte chunk headers: crc, length, type) after a
+    7-byte W&B header. wandb >= 0.19 reads these in Go only, hence this reader."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, i, buf, out = path.read_bytes(), 7, b"", []
+    assert data[:4] == b":W&B"
+    while i + 7 <= len(data):
+        if 32768 - i % 32768 < 7:  # a block's tail too short for a header is padding
+            i += 32768 - i % 32768
+            continue
+        length, kind = int.from_bytes(data[i + 4 : i + 6], "little"), data[i + 6]
+        if length == 0 and kind == 0:
+            break
+        buf += data[i + 7 : i + 7 + length]
+        i += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(buf)
+            buf = b""
+            if rec.WhichOneof("record_type") == "history":
+                items = {
+                    (it.key or "/".join(it.nested_key)): json.loads(it.value_json) for it in rec.history.item
+                }
+                out.append((rec.history.step.num, {k: v for k, v in items.items() if not k.startswith("_")}))
+    return out
+
+
+def test_wandb_offline_run_holds_every_scalar_per_step(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)  # offline needs no key and no network
+    _log(TrackingSection(wandb=WandbSection(project="p", tags=["t"])), tmp_path)
+    (run,) = list((tmp_path / "wandb").glob(f"offline-run-*-{tmp_path.name}/run-*.wandb"))
+    history = read_wandb_history(run)
+    assert history == [
+        (0, {"eval_accuracy": 0.25}),
+        (1, {"reward_mean": 0.5, "loss": -0.1}),
+        (2, {"reward_mean": 0.75, "loss": 0.2, "eval_accuracy": 0.5}),
+    ]
+    assert all(math.isfinite(v) for _, h in history for v in h.values())

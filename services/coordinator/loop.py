@@ -56,6 +56,12 @@ def learner_checkpoint_path(run_dir: Path) -> str:
     return f"{run_dir.name}/checkpoints"
 
 
+def critic_checkpoint_path(run_dir: Path) -> str:
+    """Where the critic keeps this run's checkpoints, relative to its own ``checkpoint_dir``
+    (beside the actor's, with the same tags)."""
+    return f"{learner_checkpoint_path(run_dir)}/critic"
+
+
 def prompt_text(row: dict) -> str:
     return "\n".join(m["content"] for m in row["prompt"])
 
@@ -230,10 +236,11 @@ class Experiment:
     async def checkpoint(self) -> None:
         tag = f"step{self.pos.step}"
         state = json.dumps(self._state())
-        path = learner_checkpoint_path(self.run_dir)
         await asyncio.gather(
-            self.learner.save_checkpoint(path, tag, state),
-            self.critic.save_checkpoint(f"{path}/critic", tag, state) if self.critic else nothing(),
+            self.learner.save_checkpoint(learner_checkpoint_path(self.run_dir), tag, state),
+            self.critic.save_checkpoint(critic_checkpoint_path(self.run_dir), tag, state)
+            if self.critic
+            else nothing(),
         )
         (self.run_dir / "checkpoints" / "coordinator.json").write_text(
             json.dumps({"tag": tag, **self._state()}) + "\n"
@@ -243,10 +250,11 @@ class Experiment:
         """Continue from the checkpoint ``tag``: the learner (and critic) load it, the data
         position, policy version, KL coefficient and metrics come back, and fresh generators get
         the checkpoint's weights."""
-        path = learner_checkpoint_path(self.run_dir)
         loaded, critic = await asyncio.gather(
-            self.learner.load_checkpoint(path, tag),
-            self.critic.load_checkpoint(f"{path}/critic", tag) if self.critic else nothing(),
+            self.learner.load_checkpoint(learner_checkpoint_path(self.run_dir), tag),
+            self.critic.load_checkpoint(critic_checkpoint_path(self.run_dir), tag)
+            if self.critic
+            else nothing(),
         )
         state = json.loads(loaded.client_state_json)
         self.pos = Position(state["step"], state["epoch"], state["index"])

@@ -95,7 +95,6 @@ class LearnerCore:
         same sizes, nothing is gathered (the other ranks are not involved)."""
         import torch
 
-        self.require("actor", what="PushWeights")
         buckets = ws.plan_buckets(self.trainer.param_metas(dtype), bucket_bytes)
         if transport_only:
             zeros = (torch.zeros(b.nbytes, dtype=torch.uint8) for b in buckets)

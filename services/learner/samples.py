@@ -50,15 +50,8 @@ def to_batch(batch: list[Sample], device: torch.device) -> Batch:
     width = max(len(s.completion) for s in batch)
     total = max(len(s.prompt) + len(s.completion) for s in batch)
     ids = torch.zeros(len(batch), total, dtype=torch.long)
-    per_token = torch.zeros(6, len(batch), width, dtype=torch.float32)
     targets = torch.zeros(len(batch), width, dtype=torch.long)
-    behavior, mask, adv, returns, old_values = (
-        per_token[0],
-        per_token[1],
-        per_token[2],
-        per_token[3],
-        per_token[4],
-    )
+    behavior, mask, adv, returns, old_values = torch.zeros(5, len(batch), width, dtype=torch.float32)
     for i, s in enumerate(batch):
         seq = s.prompt + s.completion
         ids[i, : len(seq)] = torch.tensor(seq)
@@ -72,7 +65,6 @@ def to_batch(batch: list[Sample], device: torch.device) -> Batch:
             returns[i, :n] = torch.tensor(s.returns)
         if s.old_values:
             old_values[i, :n] = torch.tensor(s.old_values)
-
     return Batch(
         ids.to(device),
         targets.to(device),

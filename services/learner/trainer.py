@@ -181,7 +181,7 @@ class Trainer:
         """One micro-batch's share of the step loss, its entropies and the metric sums."""
         out, entropy = self._per_token(self.engine, b, calls)
         if self.role == "critic":
-            # Samples without old values (no clip) are their own centre: the clip is inactive.
+            # With value_clip set every sample carries its old values (decode_samples insists).
             clip = self.cfg.loss.value_clip
             loss, stats = value_loss(out, b.old_values, b.returns, b.mask, clip, "token", totals)
             return loss, None, stats

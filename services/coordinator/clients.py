@@ -6,7 +6,8 @@ Generate is spread by prompt: each healthy replica gets a share of the prompts. 
 call fails (it died, or its deadline passed), its prompts whose groups are not complete are sent
 again to the replicas still healthy; samples are keyed by (prompt_id, sample_index) and a
 partial group from a failed call is discarded, so no prompt is lost or counted twice. Score is
-stateless and is re-issued the same way by chunks. Channels speak TLS and carry the bearer token
+stateless and is re-issued the same way by chunks. A failed replica is probed and comes back into
+rotation when it serves again (``rotation.py``); with none left, calls wait for one. Channels speak TLS and carry the bearer token
 as ``services.security`` says.
 """
 
@@ -14,14 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from relayrl.common import logcontext
 from relayrl.common.security import client_channel
 from relayrl.common.serving import ClientSecurity
 from relayrl.common.v1 import common_pb2
+from relayrl.coordinator.rotation import OPTIONS as _OPTIONS
+from relayrl.coordinator.rotation import Replica, Rotation
 from relayrl.generator.v1 import generator_pb2 as g
 from relayrl.generator.v1 import generator_pb2_grpc as gg
 from relayrl.learner.v1 import learner_pb2 as lp
@@ -30,7 +32,6 @@ from relayrl.reward.v1 import reward_pb2 as rw
 from relayrl.reward.v1 import reward_pb2_grpc as rwg
 
 logger = logging.getLogger(__name__)
-_OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
 # Codes after which a replica is taken out of rotation (it is gone or not serving).
 _DOWN = {
     grpc.StatusCode.UNAVAILABLE,
@@ -41,47 +42,32 @@ _DOWN = {
 }
 
 
-class NoReplicaLeft(RuntimeError):
-    """Every replica of a service failed."""
-
-
-@dataclass
-class Replica:
-    name: str
-    address: str
-    channel: grpc.aio.Channel = field(repr=False)
-    healthy: bool = True
-
-
-def _replicas(replicas: dict[str, str], security: ClientSecurity | None) -> list[Replica]:
-    return [Replica(n, a, client_channel(a, security, _OPTIONS)) for n, a in replicas.items()]
-
-
 def _split(items: Sequence, parts: int) -> list[list]:
     return [list(items[i::parts]) for i in range(parts)]
 
 
-class GeneratorPool:
+class GeneratorPool(Rotation):
     def __init__(
         self,
         replicas: dict[str, str],
         deadline_s: float,
         on_down: Callable[[str], None] | None = None,
         security: ClientSecurity | None = None,
+        readmit: Callable[[str, str], Awaitable[None]] | None = None,
+        wait_s: float = 600.0,
+        probe_s: float = 5.0,
     ):
-        self.replicas = _replicas(replicas, security)
+        super().__init__(
+            "generator",
+            replicas,
+            "relayrl.generator.v1.GeneratorService",
+            security,
+            readmit=readmit,
+            on_down=on_down,
+            probe_s=probe_s,
+            wait_s=wait_s,
+        )
         self.deadline_s = deadline_s
-        self.on_down = on_down
-
-    def healthy(self) -> list[Replica]:
-        return [r for r in self.replicas if r.healthy]
-
-    def mark_down(self, rep: Replica, why: str) -> None:
-        if rep.healthy:
-            rep.healthy = False
-            logger.warning("generator %s (%s) taken out of rotation: %s", rep.name, rep.address, why)
-            if self.on_down:
-                self.on_down(rep.name)
 
     async def generate(
         self, prompts: list[common_pb2.Prompt], sampling: g.SamplingParams, request_id: str
@@ -91,9 +77,7 @@ class GeneratorPool:
         todo = list(prompts)
         attempt = 0
         while todo:
-            reps = self.healthy()
-            if not reps:
-                raise NoReplicaLeft("no generator replica left to sample from")
+            reps = await self.available()
             shares = _split(todo, len(reps))
             results = await asyncio.gather(
                 *(
@@ -131,20 +115,20 @@ class GeneratorPool:
             complete = {pid: s for pid, s in got.items() if len(s) == sampling.n}
             return complete, [p for p in share if p.prompt_id not in complete]
 
-    async def close(self) -> None:
-        for r in self.replicas:
-            await r.channel.close()
 
-
-class RewardPool:
+class RewardPool(Rotation):
     def __init__(
         self,
         replicas: dict[str, str],
         deadline_s: float,
         chunk: int = 256,
         security: ClientSecurity | None = None,
+        wait_s: float = 600.0,
+        probe_s: float = 5.0,
     ):
-        self.replicas = _replicas(replicas, security)
+        super().__init__(
+            "reward", replicas, "relayrl.reward.v1.RewardService", security, probe_s=probe_s, wait_s=wait_s
+        )
         self.deadline_s = deadline_s
         self.chunk = chunk
 
@@ -154,9 +138,7 @@ class RewardPool:
         out: list[list[rw.RewardResult] | None] = [None] * len(chunks)
         pending = list(range(len(chunks)))
         while pending:
-            reps = [r for r in self.replicas if r.healthy]
-            if not reps:
-                raise NoReplicaLeft("no reward replica left to score with")
+            reps = await self.available()
             answers = await asyncio.gather(
                 *(
                     self._call(reps[k % len(reps)], chunks[c], f"{request_id}-{c}")
@@ -183,15 +165,8 @@ class RewardPool:
         except grpc.aio.AioRpcError as e:
             if e.code() not in _DOWN:
                 raise
-            rep.healthy = False
-            logger.warning(
-                "reward replica %s taken out of rotation: %s %s", rep.name, e.code().name, e.details()
-            )
+            self.mark_down(rep, f"{e.code().name} {e.details()}")
             return None
-
-    async def close(self) -> None:
-        for r in self.replicas:
-            await r.channel.close()
 
 
 class LearnerClient:
@@ -202,9 +177,13 @@ class LearnerClient:
         self.stub = lg.LearnerServiceStub(self.channel)
         self.deadline = deadline
 
-    async def register_generator(self, replica_id: str, address: str) -> None:
+    async def register_generator(self, replica_id: str, address: str) -> lp.RegisterGeneratorResponse:
         req = lp.RegisterGeneratorRequest(address=address, replica_id=replica_id)
-        await self.stub.RegisterGenerator(req, timeout=self.deadline, metadata=logcontext.current())
+        return await self.stub.RegisterGenerator(req, timeout=self.deadline, metadata=logcontext.current())
+
+    async def unregister_generator(self, replica_id: str) -> None:
+        req = lp.UnregisterGeneratorRequest(replica_id=replica_id)
+        await self.stub.UnregisterGenerator(req, timeout=self.deadline, metadata=logcontext.current())
 
     def forget_soon(self, replica_id: str) -> None:
         """Unregister a replica that failed, without waiting (called from a pool's callback)."""

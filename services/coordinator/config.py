@@ -165,6 +165,10 @@ class ServicesSection(StrictModel):
     """Embedded default on GPUs: CUDA_VISIBLE_DEVICES of the reference; empty inherits."""
     deadline_seconds: float = Field(600.0, gt=0)
     """Default deadline of every call to a service."""
+    replica_wait_seconds: float = Field(600.0, ge=0, le=86400)
+    """How long generation or scoring waits for a replica to come back when every replica of
+    that service failed (a restarted container takes minutes to serve again); replicas out of
+    rotation are probed every few seconds meanwhile. 0 fails at once."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Prometheus port of the coordinator (per-step run metrics); None turns it off."""
     metrics_host: str = "127.0.0.1"

@@ -33,9 +33,24 @@ async def drive(
     learner = LearnerClient(services.learner, deadline, security)
     critic = LearnerClient(services.critic, deadline, security) if services.critic else None
     reference = LearnerClient(services.reference, deadline, security) if services.reference else None
-    # A dead generator must not fail every later push: the learner forgets it.
-    gens = GeneratorPool(services.generators, deadline, on_down=learner.forget_soon, security=security)
-    rewards = RewardPool(services.rewards, deadline, security=security)
+    wait_s = cfg.services.replica_wait_seconds
+
+    async def readmit(name: str, address: str) -> None:
+        """A generator serving again after a failure (a restarted container holds the initial
+        weights): registered anew, and given the learner's current weights before it samples."""
+        reg = await learner.register_generator(name, address)
+        await learner.push_weights(reg.policy_version)
+
+    # A dead generator must not fail every later push: the learner forgets it until it is back.
+    gens = GeneratorPool(
+        services.generators,
+        deadline,
+        on_down=learner.forget_soon,
+        security=security,
+        readmit=readmit,
+        wait_s=wait_s,
+    )
+    rewards = RewardPool(services.rewards, deadline, security=security, wait_s=wait_s)
     trackers = Trackers(cfg.tracking, run_dir, cfg.model_dump(mode="json"))
 
     def record(rec: dict) -> None:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import grpc
 from relayrl.common import logcontext
 from relayrl.common.v1 import common_pb2
 from relayrl.coordinator.batch import Rollout, TrainBatch, nothing, train_batch
@@ -39,6 +40,7 @@ from relayrl.generator.v1 import generator_pb2 as g
 from relayrl.reward.v1 import reward_pb2 as rw
 
 logger = logging.getLogger(__name__)
+PUSH_ATTEMPTS = 3  # a push that failed because a generator died, tried again without it
 
 
 @dataclass
@@ -225,7 +227,26 @@ class Experiment:
         replica (DATA_LOSS otherwise), so a replica listed here holds exactly the learner's
         weights. Returns seconds and the number of replicas updated."""
         t0 = time.monotonic()
-        resp = await self.learner.push_weights(self.version)
+        for attempt in range(PUSH_ATTEMPTS):
+            try:
+                resp = await self.learner.push_weights(self.version)
+                break
+            except grpc.aio.AioRpcError as e:
+                # A generator that dies during a push fails it for every replica (a broadcast
+                # group lost a member; the learner's ranks stay in step). The dead leave the
+                # rotation and the learner's list, the rest get the weights again, and the dead
+                # come back later at the weights of that time (rotation.py).
+                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == PUSH_ATTEMPTS - 1:
+                    raise
+                dropped = await self.gen.drop_unserving()
+                for name in dropped:
+                    await self.learner.unregister_generator(name)
+                logger.warning(
+                    "weight push of version %d failed (%s); out of rotation: %s; pushing again",
+                    self.version,
+                    e.details(),
+                    ", ".join(dropped) or "none",
+                )
         return time.monotonic() - t0, len(resp.replica_ids)
 
     def _state(self) -> dict:

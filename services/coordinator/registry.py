@@ -19,11 +19,11 @@ import grpc
 from relayrl.common.rpc import AlreadyExists, FailedPrecondition, ResourceExhausted
 from relayrl.coordinator import metrics
 from relayrl.coordinator.assets import prepare
-from relayrl.coordinator.clients import NoReplicaLeft
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.drive import drive
 from relayrl.coordinator.local_services import LocalServices
 from relayrl.coordinator.progress import plot
+from relayrl.coordinator.rotation import NoReplicaLeft
 from relayrl.coordinator.runfolder import new_run_dir
 from relayrl.coordinator.service_set import DeployedServices, ServiceSet
 

@@ -91,8 +91,10 @@ class WeightSync:
 
     # -- membership ------------------------------------------------------------------------
     async def register(self, replica_id: str, address: str) -> str:
-        """Add (or move) a replica and open its transport now; returns the transport."""
-        if self.addresses.get(replica_id) != address:
+        """Add a replica and open its transport now; returns the transport. A replica that
+        registers again starts afresh (it is most likely a restarted process: its side of any
+        weight-sync group is gone, and it serves the weights it loaded, not the last ones sent)."""
+        if replica_id in self.addresses:
             await self.unregister(replica_id)
         self.addresses[replica_id] = address
         try:
@@ -137,6 +139,7 @@ class WeightSync:
         except grpc.aio.AioRpcError as e:
             raise Unavailable(f"generator {rid} at {self.addresses[rid]} is unreachable: {_why(e)}") from None
         theirs = Place(st.host_id or f"unknown:{rid}", st.device or "cpu", tuple(st.gpu_uuids))
+        self.versions[rid] = st.policy_version  # what it serves now: a push of that version skips it
         first = choose(self.place, theirs, self.forced)
         reasons = []
         for transport in [first, *(_FALLBACK.get(first, []) if self.forced == "auto" else [])]:
@@ -294,7 +297,16 @@ class WeightSync:
             version=version, plan=plan_to_proto(buckets), transport_only=transport_only
         )
         sinks = Sinks(groups=[self.groups[b] for b in sorted(self.groups)])
-        requests = {r: base for r, t in self.transports.items() if t in GROUP_BACKEND}
+        # Replicas at `version` already (one came back and the others are current): a group's
+        # members all take part in its broadcast, so the current ones drain it and keep their
+        # weights (transport_only); over SHM or IPC they are not called at all.
+        current = set() if transport_only else {r for r in self.addresses if self.versions.get(r) == version}
+        drain = g.UpdateWeightsRequest()
+        drain.CopyFrom(base)
+        drain.transport_only = True
+        requests = {
+            r: drain if r in current else base for r, t in self.transports.items() if t in GROUP_BACKEND
+        }
         table = None
         if any(t == "shm" for t in self.transports.values()):
             seg, offsets, table = self._shm_staging(buckets)
@@ -306,14 +318,14 @@ class WeightSync:
             req.CopyFrom(base)
             req.shm.segment, req.shm.offsets[:] = seg.name, offsets
             req.shm.push_id, req.shm.ready_offset = push_id, 0
-            requests.update({r: req for r, t in self.transports.items() if t == "shm"})
+            requests.update({r: req for r, t in self.transports.items() if t == "shm" and r not in current})
         if any(t == "ipc" for t in self.transports.values()):
             bufs, shared = self._ipc_staging(buckets)
             sinks.ipc = bufs
             req = g.UpdateWeightsRequest()
             req.CopyFrom(base)
             req.ipc.buffers.extend(shared)
-            requests.update({r: req for r, t in self.transports.items() if t == "ipc"})
+            requests.update({r: req for r, t in self.transports.items() if t == "ipc" and r not in current})
         with logcontext.bound(version=version):
             meta = logcontext.current()
 
@@ -324,7 +336,9 @@ class WeightSync:
 
         # Group members receive while the learner sends; shared-memory replicas load each bucket
         # as the ready table marks it, while the learner gathers the next.
-        early = sorted(r for r, t in self.transports.items() if t in GROUP_BACKEND or t == "shm")
+        early = sorted(
+            r for r, t in self.transports.items() if r in requests and t in (*GROUP_BACKEND, "shm")
+        )
         calls = {r: call(r) for r in early}
         try:
             sent, sums = await collective(sinks)
@@ -345,7 +359,7 @@ class WeightSync:
                 failed[r] = _why(a)
             elif list(a.bucket_checksums) != sums:
                 corrupted.append(r)
-            elif not transport_only:
+            elif not transport_only and r not in current:
                 self.versions[r] = a.version
         for r in [*failed, *corrupted]:
             transport = self.transports.get(r)
@@ -363,7 +377,7 @@ class WeightSync:
                     "generators refused the version: " + "; ".join(f"{r}: {w}" for r, w in failed.items())
                 )
             raise Unavailable("weight push failed on: " + "; ".join(f"{r}: {w}" for r, w in failed.items()))
-        return sent, rids
+        return sent, [r for r in rids if r not in current]
 
 
 def _why(e: BaseException) -> str:

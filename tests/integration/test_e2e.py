@@ -231,6 +231,79 @@ def test_a_killed_generator_replica_loses_no_prompt(workspace):
     assert all(r["synced_replicas"] == r["healthy_generators"] for r in steps if r["train_samples"])
 
 
+def test_the_only_generator_killed_and_started_again_rejoins_at_the_learners_weights(workspace, caplog):
+    """What a container restart does (a crash, an OOM kill, `docker compose restart`): the one
+    generator dies mid-generation and a new process serves at the same address a little later.
+    The run waits for it instead of failing, registers it again, gives it the learner's current
+    weights before it samples (the new process loaded the initial ones), and loses no prompt."""
+    from relayrl.coordinator.launcher import ServiceProcess
+
+    root, exp = workspace
+    box: dict = {}
+
+    def on_record(services):
+        def f(rec):
+            if rec.get("step") == 2 and "reward_mean" in rec and "restarted" not in box:
+                old = next(p for p in services.procs if p.name == "gen-0")
+                old.kill()  # the next batch is generating (max_staleness 1): its call fails
+                old.proc.wait(30)
+                port = services.generators["gen-0"].rsplit(":", 1)[1]
+                args = ["generator", "--config", str(box["run_dir"] / "services" / "gen-0.yaml")]
+                box["restarted"] = ServiceProcess(
+                    "gen-0-restarted",
+                    [*args, "--port", port, "--replica-id", "gen-0"],
+                    box["run_dir"] / "logs",
+                )
+                box["version_at_kill"] = rec["policy_version"]
+
+        return f
+
+    cfg, run_dir, services, go = _programmatic(
+        root,
+        exp,
+        [
+            "schedule.steps=5",
+            "schedule.eval_every=0",
+            "learner.world_size=1",
+            "services.replica_wait_seconds=300",
+            "name=restart-gen",
+        ],
+        on_record,
+    )
+    box["run_dir"] = run_dir
+    caplog.set_level("INFO", logger="relayrl.coordinator.rotation")
+    try:
+        exp_done = go()
+        status = asyncio.run(_generator_status(services.generators["gen-0"]))
+    finally:
+        services.stop()
+        if "restarted" in box:
+            box["restarted"].stop()
+    steps = [r for r in exp_done.records if "reward_mean" in r]
+    assert "restarted" in box and len(steps) == 5
+    assert all(r["groups"] == 16 for r in steps)  # every prompt of every step scored exactly once
+    assert all(r["healthy_generators"] == 1 for r in steps)  # back in rotation by the next record
+    # After the restart the replica took weights: it was brought to the version it missed, then
+    # every later push reached it (one replica synced per step).
+    assert all(r["synced_replicas"] == 1 for r in steps), [r["synced_replicas"] for r in steps]
+    assert steps[-1]["policy_version"] == 5 and box["version_at_kill"] == 2
+    # and it sampled with the learner's weights, never the initial ones: no group was too stale
+    assert all(r["dropped_stale_groups"] == 0 and r["staleness_max"] <= 1 for r in steps), steps
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("gen-0" in m and "taken out of rotation" in m for m in messages), messages
+    assert any("gen-0" in m and "back in rotation" in m for m in messages), messages
+    assert status.ready and status.policy_version == 5  # the new process holds the last weights
+
+
+async def _generator_status(address: str):
+    from relayrl.generator.v1 import generator_pb2, generator_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as ch:
+        return await generator_pb2_grpc.GeneratorServiceStub(ch).GetStatus(
+            generator_pb2.GetStatusRequest(), timeout=30
+        )
+
+
 def test_a_learner_crash_stops_the_run_with_a_resumable_checkpoint(workspace):
     root, exp = workspace
 

@@ -41,6 +41,7 @@ def experiment(**changes) -> dict:
             "rewards": [NOWHERE],
             "learner": NOWHERE,
             "deadline_seconds": 5,
+            "replica_wait_seconds": 0,  # nothing will come back at NOWHERE: fail at once
         },
     }
     for key, value in changes.items():

@@ -1,0 +1,147 @@
+"""Replicas of one service in and out of rotation.
+
+A replica whose call failed leaves the rotation (``mark_down``). It is not gone for good: a
+container that crashed, was OOM-killed or rolled to a new image comes back at the same address a
+few minutes later. So every ``probe_s`` a replica out of rotation is asked the gRPC health
+protocol on a fresh channel (a channel to a dead peer backs off for up to two minutes between
+reconnects); once it answers SERVING, ``readmit`` runs (for generators: register with the learner
+and take its current weights, so the replica never samples with an older policy) and the replica
+is back. Callers that find no replica in rotation wait for one up to ``wait_s`` before
+``NoReplicaLeft``: a run with one generator outlives that generator's restart instead of failing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from relayrl.common.security import client_channel
+from relayrl.common.serving import ClientSecurity
+
+logger = logging.getLogger(__name__)
+OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
+PROBE_TIMEOUT_S = 5.0
+
+
+class NoReplicaLeft(RuntimeError):
+    """Every replica of a service failed, and none came back in time."""
+
+
+@dataclass
+class Replica:
+    name: str
+    address: str
+    channel: grpc.aio.Channel = field(repr=False)
+    healthy: bool = True
+
+
+class Rotation:
+    """The replicas of one service (``kind``, e.g. "generator"), whose health service is
+    ``service_name``. ``readmit(name, address)`` runs before a recovered replica takes work;
+    if it raises, the replica stays out and is probed again later."""
+
+    def __init__(
+        self,
+        kind: str,
+        replicas: dict[str, str],
+        service_name: str,
+        security: ClientSecurity | None = None,
+        readmit: Callable[[str, str], Awaitable[None]] | None = None,
+        on_down: Callable[[str], None] | None = None,
+        probe_s: float = 5.0,
+        wait_s: float = 600.0,
+    ):
+        self.kind = kind
+        self.service_name = service_name
+        self.security = security
+        self.readmit = readmit
+        self.on_down = on_down
+        self.probe_s = probe_s
+        self.wait_s = wait_s
+        self.replicas = [Replica(n, a, client_channel(a, security, OPTIONS)) for n, a in replicas.items()]
+        self._next_probe: dict[str, float] = {}
+        self._lock = asyncio.Lock()  # one probe round at a time (eval and training share a pool)
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas if r.healthy]
+
+    def mark_down(self, rep: Replica, why: str) -> None:
+        if rep.healthy:
+            rep.healthy = False
+            self._next_probe[rep.name] = time.monotonic() + self.probe_s
+            logger.warning("%s %s (%s) taken out of rotation: %s", self.kind, rep.name, rep.address, why)
+            if self.on_down:
+                self.on_down(rep.name)
+
+    async def available(self) -> list[Replica]:
+        """The replicas in rotation, after probing those out of it whose probe is due; when
+        none is in, probe every ``probe_s`` until one is, for at most ``wait_s``."""
+        await self.rejoin()
+        deadline = time.monotonic() + self.wait_s
+        while not (reps := self.healthy()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise NoReplicaLeft(
+                    f"no {self.kind} replica left; none came back within {self.wait_s:.0f} s "
+                    f"(services.replica_wait_seconds)"
+                )
+            await asyncio.sleep(min(self.probe_s, left))
+            await self.rejoin()
+        return reps
+
+    async def rejoin(self) -> None:
+        async with self._lock:
+            for rep in self.replicas:
+                if rep.healthy or time.monotonic() < self._next_probe.get(rep.name, 0.0):
+                    continue
+                self._next_probe[rep.name] = time.monotonic() + self.probe_s
+                if await self._recovered(rep):
+                    rep.healthy = True
+                    logger.warning("%s %s (%s) back in rotation", self.kind, rep.name, rep.address)
+
+    async def drop_unserving(self) -> list[str]:
+        """Probe the replicas in rotation; those that do not answer SERVING leave it. Returns
+        their names (after a failure that names no replica, e.g. a broken weight push)."""
+        reps = self.healthy()
+        whys = await asyncio.gather(*(self._serving(r.channel) for r in reps))
+        for rep, why in zip(reps, whys, strict=True):
+            if why:
+                self.mark_down(rep, why)
+        return [rep.name for rep, why in zip(reps, whys, strict=True) if why]
+
+    async def _serving(self, channel: grpc.aio.Channel) -> str:
+        """ "" when the replica answers SERVING, else why not."""
+        try:
+            resp = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=self.service_name), timeout=PROBE_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as e:
+            return f"{e.code().name} {e.details()}"
+        if resp.status != health_pb2.HealthCheckResponse.SERVING:
+            return "health " + health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+        return ""
+
+    async def _recovered(self, rep: Replica) -> bool:
+        channel = client_channel(rep.address, self.security, OPTIONS)
+        why = await self._serving(channel)
+        if not why and self.readmit:
+            try:
+                await self.readmit(rep.name, rep.address)
+            except grpc.aio.AioRpcError as e:
+                why = f"serving, but not readmitted: {e.code().name} {e.details()}"
+        if why:
+            logger.info("%s %s still out of rotation: %s", self.kind, rep.name, why)
+            await channel.close()
+            return False
+        old, rep.channel = rep.channel, channel
+        await old.close()
+        return True
+
+    async def close(self) -> None:
+        for r in self.replicas:
+            await r.channel.close()

@@ -1,0 +1,203 @@
+"""Replicas out of rotation come back when they serve again (``coordinator/rotation.py``): probed
+over the gRPC health protocol, re-admitted (for generators: registered and given the learner's
+weights) before any work, and waited for, within a bound, when none is left."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from relayrl.coordinator.rotation import NoReplicaLeft, Rotation
+
+SERVICE = "relayrl.generator.v1.GeneratorService"
+
+
+class HealthServer:
+    """A replica's health endpoint that can go away and come back at the same address."""
+
+    def __init__(self):
+        self.port = 0
+        self.server: grpc.aio.Server | None = None
+        self.health: health.aio.HealthServicer | None = None
+
+    async def start(self, serving: bool = True) -> None:
+        self.server = grpc.aio.server()
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{self.port}")
+        await self.serving(serving)
+        await self.server.start()
+
+    async def serving(self, yes: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if yes else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set(SERVICE, status)
+
+    async def stop(self) -> None:
+        await self.server.stop(None)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+async def _rotation(servers, readmit=None, wait_s=5.0, downs=None):
+    return Rotation(
+        "generator",
+        {f"gen-{i}": s.address for i, s in enumerate(servers)},
+        SERVICE,
+        readmit=readmit,
+        on_down=downs.append if downs is not None else None,
+        probe_s=0.05,
+        wait_s=wait_s,
+    )
+
+
+async def test_a_replica_back_at_its_address_is_readmitted_before_it_takes_work():
+    a, b = HealthServer(), HealthServer()
+    await a.start()
+    await b.start()
+    admitted, downs = [], []
+
+    async def readmit(name, address):
+        admitted.append((name, address))
+
+    rot = await _rotation([a, b], readmit, downs=downs)
+    try:
+        rep_b = rot.replicas[1]
+        rot.mark_down(rep_b, "UNAVAILABLE: killed")
+        rot.mark_down(rep_b, "again")  # counted once
+        assert downs == ["gen-1"] and [r.name for r in rot.healthy()] == ["gen-0"]
+        await b.stop()
+        await asyncio.sleep(0.06)
+        assert [r.name for r in await rot.available()] == ["gen-0"]  # probed: still gone
+        assert admitted == []
+        await b.start(serving=False)  # up, model still loading
+        await asyncio.sleep(0.06)
+        assert [r.name for r in await rot.available()] == ["gen-0"]
+        assert admitted == []
+        await b.serving(True)
+        await asyncio.sleep(0.06)
+        assert [r.name for r in await rot.available()] == ["gen-0", "gen-1"]
+        assert admitted == [("gen-1", b.address)]
+        # its new channel reaches the new process
+        resp = await health_pb2_grpc.HealthStub(rep_b.channel).Check(
+            health_pb2.HealthCheckRequest(service=SERVICE), timeout=5
+        )
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await rot.close()
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_failed_readmission_leaves_the_replica_out_and_it_is_tried_again():
+    a = HealthServer()
+    await a.start()
+    calls = []
+
+    async def readmit(name, address):
+        calls.append(name)
+        if len(calls) == 1:  # e.g. the learner's version moved under the push
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(), grpc.aio.Metadata(), "moved"
+            )
+
+    rot = await _rotation([a], readmit, wait_s=5.0)
+    try:
+        rot.mark_down(rot.replicas[0], "UNAVAILABLE")
+        await asyncio.sleep(0.06)
+        reps = await rot.available()  # first readmission refused, the second (one probe later) taken
+        assert [r.name for r in reps] == ["gen-0"] and calls == ["gen-0", "gen-0"]
+    finally:
+        await rot.close()
+        await a.stop()
+
+
+async def test_with_none_left_callers_wait_for_one_then_give_up_at_the_bound():
+    a = HealthServer()
+    await a.start()
+    rot = await _rotation([a], wait_s=5.0)
+    try:
+        rot.mark_down(rot.replicas[0], "UNAVAILABLE")
+        await a.stop()
+
+        async def come_back():
+            await asyncio.sleep(0.3)
+            await a.start()
+
+        back = asyncio.ensure_future(come_back())
+        t0 = time.monotonic()
+        reps = await rot.available()  # waits through the restart
+        assert [r.name for r in reps] == ["gen-0"] and time.monotonic() - t0 >= 0.3
+        await back
+    finally:
+        await rot.close()
+        await a.stop()
+
+    gone = HealthServer()
+    await gone.start()
+    rot = await _rotation([gone], wait_s=0.3)
+    await gone.stop()
+    try:
+        rot.mark_down(rot.replicas[0], "UNAVAILABLE")
+        t0 = time.monotonic()
+        with pytest.raises(NoReplicaLeft, match="no generator replica left; none came back within"):
+            await rot.available()
+        assert 0.3 <= time.monotonic() - t0 < 5
+    finally:
+        await rot.close()
+
+
+async def test_a_push_broken_by_a_dying_generator_is_made_again_without_it():
+    """A generator that dies during a weight push fails the push for all (its broadcast group
+    lost a member): the loop takes the replicas that no longer serve out of rotation and off the
+    learner's list, and pushes again to the others."""
+    from relayrl.coordinator.loop import Experiment
+    from relayrl.learner.v1 import learner_pb2 as lp
+
+    alive, dying = HealthServer(), HealthServer()
+    await alive.start()
+    await dying.start()
+
+    class Learner:
+        def __init__(self):
+            self.pushes, self.unregistered = 0, []
+
+        async def push_weights(self, version):
+            self.pushes += 1
+            if self.pushes == 1:
+                raise grpc.aio.AioRpcError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.aio.Metadata(),
+                    grpc.aio.Metadata(),
+                    "weight broadcast failed after 0 bytes",
+                )
+            return lp.PushWeightsResponse(version=version, replica_ids=["gen-0"])
+
+        async def unregister_generator(self, name):
+            self.unregistered.append(name)
+
+    exp = Experiment.__new__(Experiment)
+    exp.version, exp.learner = 3, Learner()
+    exp.gen = await _rotation([alive, dying], wait_s=0)
+    try:
+        await dying.stop()
+        _, updated = await exp.push()
+        assert updated == 1 and exp.learner.pushes == 2
+        assert exp.learner.unregistered == ["gen-1"] and [r.name for r in exp.gen.healthy()] == ["gen-0"]
+    finally:
+        await exp.gen.close()
+        await alive.stop()
+
+    class Refusing(Learner):
+        async def push_weights(self, version):  # not a dead replica: the same answer again
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(), grpc.aio.Metadata(), "version"
+            )
+
+    exp.learner = Refusing()
+    with pytest.raises(grpc.aio.AioRpcError):
+        await exp.push()

@@ -70,6 +70,7 @@ cleanup() {
     exit "$rc"
 }
 trap cleanup EXIT
+trap "exit 130" INT TERM
 
 # -- a Docker engine and compose ------------------------------------------------------------------
 command -v docker >/dev/null 2>&1 || skip "no docker client on PATH"

@@ -261,20 +261,41 @@ def open_group(
 
 
 def gloo_device(master_addr: str, master_port: int):
-    """The gloo device for a group whose rank 0 is at ``master_addr``.
+    """The gloo device for a group whose rank 0 is at ``master_addr`` (see ``gloo_device_args``)."""
+    import torch.distributed as dist
+
+    return dist.ProcessGroupGloo.create_device(**gloo_device_args(master_addr, master_port))
+
+
+TRAINING_IFNAME_VAR = "RELAYRL_TRAINING_GLOO_IFNAME"
+"""Set by a learner rank beside the GLOO_SOCKET_IFNAME it chose for its training group."""
+
+
+def gloo_device_args(master_addr: str, master_port: int) -> dict[str, str]:
+    """Where a gloo device binds, for a group whose rank 0 is at ``master_addr``.
 
     Gloo's default device binds the address this host's *name* resolves to, which on multi-homed
     hosts (pods, network namespaces, nodes with several NICs) is often not the interface that
     reaches the other members: peers then connect to an address nobody listens on and the group
-    hangs until its timeout. Bind instead the local address the kernel routes toward rank 0
-    ($GLOO_SOCKET_IFNAME, when set, still wins: the operator's explicit choice).
-    """
-    import torch.distributed as dist
+    hangs until its timeout. Bind instead the local address the kernel routes toward rank 0.
+    $GLOO_SOCKET_IFNAME still wins when the operator set it, but not when a learner rank set it
+    for its own training group: that interface faces the learner's other ranks (``lo`` on one
+    node), not the generators, and a weight-sync group bound there cannot be reached from
+    another host or container.
 
+    >>> import os; os.environ.pop("GLOO_SOCKET_IFNAME", None) and None
+    >>> gloo_device_args("127.0.0.1", 9)
+    {'hostname': '127.0.0.1'}
+    >>> os.environ["GLOO_SOCKET_IFNAME"] = "eth1"; gloo_device_args("127.0.0.1", 9)
+    {'interface': 'eth1'}
+    >>> os.environ[TRAINING_IFNAME_VAR] = "eth1"; gloo_device_args("127.0.0.1", 9)
+    {'hostname': '127.0.0.1'}
+    >>> del os.environ["GLOO_SOCKET_IFNAME"], os.environ[TRAINING_IFNAME_VAR]
+    """
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")
-    if ifname:
-        return dist.ProcessGroupGloo.create_device(interface=ifname.split(",")[0])
-    return dist.ProcessGroupGloo.create_device(hostname=local_address_toward(master_addr, master_port))
+    if ifname and ifname != os.environ.get(TRAINING_IFNAME_VAR):
+        return {"interface": ifname.split(",")[0]}
+    return {"hostname": local_address_toward(master_addr, master_port)}
 
 
 def local_address_toward(host: str, port: int) -> str:

@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 
 from relayrl.common import config as cfg
 
@@ -119,6 +120,26 @@ def build_config(args: argparse.Namespace):
     return cfg.load(_config_class(args.service), args.config, [*overrides, *args.set])
 
 
+def eager_without_compiler() -> bool:
+    """vLLM torch.compiles a few sampler functions even with ``enforce_eager``; on a CPU, inductor
+    builds them with a C++ compiler, and where there is none (a slim image, a bare machine) the
+    first sample kills the engine ("InvalidCxxCompiler: No working C++ compiler"). There, run
+    them eagerly (TORCHDYNAMO_DISABLE: same results, no compile). Returns whether it did."""
+    if os.environ.get("TORCHDYNAMO_DISABLE") is not None:
+        return False  # the operator's choice
+    if any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c):
+        return False
+    import torch
+
+    if torch.cuda.is_available():
+        return False  # GPU images carry the toolchain Triton needs; nothing to guess here
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    logging.getLogger("relayrl").info(
+        "no C++ compiler on this machine: vLLM's compiled sampler ops run eagerly"
+    )
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     config = build_config(args)
     check_access(args.service, config.serve)
@@ -127,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         # On CPU, vLLM's in-process engine with one OpenMP thread starts in seconds and runs as
         # fast; users on GPUs keep vLLM's defaults.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        eager_without_compiler()
         from relayrl.generator.server import run as serve
 
         asyncio.run(serve(config, args.port_file))

@@ -569,3 +569,51 @@ def test_compose_file_is_valid_compose(profile):
             timeout=120,
         )
         assert run.returncode == 0, run.stderr
+
+
+# -- the README's compose section and scripts/compose_check.sh ----------------------------------------
+def readme_compose_commands() -> list[str]:
+    """The commands of the first bash block under "### One box: docker compose", comments cut."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### One box: docker compose") :]
+    block = section[section.index("```bash\n") + 8 :]
+    block = block[: block.index("```")]
+    return [
+        line.split("  #")[0].strip()
+        for line in block.splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+
+
+def test_the_compose_check_runs_the_readmes_commands():
+    """`scripts/compose_check.sh` is the README's compose section, run: the same images under the
+    same tags, the same secrets, `up`, the experiment's `run` and `down` (the script adds only
+    `-T`, having no terminal, and waits for health by inspecting the containers)."""
+    script = (ROOT / "scripts" / "compose_check.sh").read_text()
+    images = dict(
+        item.split(":", 1) for item in re.search(r"IMAGES=\((.*?)\)", script, re.S).group(1).split()
+    )
+    images = {t: tag.replace("$VERSION", "0.1.0") for t, tag in images.items()}
+    commands = readme_compose_commands()
+    built = {}
+    for cmd in commands:
+        if cmd.startswith("docker build"):
+            words = cmd.split()
+            assert words[-1] == "." and "-f deploy/docker/Dockerfile" in cmd, cmd
+            built[words[words.index("--target") + 1]] = words[words.index("-t") + 1]
+        elif cmd.startswith("docker compose "):
+            sub = cmd.removeprefix("docker compose ")
+            if sub == "ps":
+                continue  # informational: the script inspects each container's health instead
+            ran = script.replace("compose run -T ", "compose run ")
+            assert f"compose {sub}" in ran, f"the script does not run: {cmd}"
+        elif cmd.startswith("cd "):
+            assert cmd == "cd deploy/compose"
+        else:
+            assert cmd in script, f"the script does not run: {cmd}"
+    assert built == images, f"README builds {built}, the script {images}"
+    assert {"docker compose up -d", "docker compose down"} <= set(commands)
+    assert any(c.startswith("docker compose run ") for c in commands)
+    for svc in ("generator", "learner", "reward", "coordinator"):  # the images compose runs
+        image = load_compose()["services"][svc]["image"]
+        assert image in images.values(), f"compose runs {image}, which neither builds"

@@ -71,6 +71,8 @@ cleanup() {
 }
 trap cleanup EXIT
 trap "exit 130" INT TERM
+set -E  # an unexpected failure anywhere says where, instead of ending the check silently
+trap 'log "FAILED: line $LINENO: $BASH_COMMAND (exit status $?)"' ERR
 
 # -- a Docker engine and compose ------------------------------------------------------------------
 command -v docker >/dev/null 2>&1 || skip "no docker client on PATH"
@@ -135,7 +137,15 @@ if [ -n "$torch_wheel" ]; then
     ln -s "$PIP_FIND_LINKS"/*.whl "$served"/
     version=$(basename "$torch_wheel" | cut -d- -f2)
     echo "torch==$version" >"$served/constraints.txt"
-    port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    # A fixed port while it is free: the URL is a build argument, and a new one each run would
+    # miss Docker's cache for every pip install.
+    port=$(python3 -c 'import socket
+s = socket.socket()
+try:
+    s.bind(("127.0.0.1", 47711))
+except OSError:
+    s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1])')
     python3 -m http.server --bind 127.0.0.1 --directory "$served" "$port" >"$out/wheels-http.log" 2>&1 &
     http_pid=$!
     torch_args=(--build-arg PIP_EXTRA_INDEX_URL= --build-arg "PIP_FIND_LINKS=http://127.0.0.1:$port/"
@@ -273,9 +283,9 @@ until [ "$(last_step)" -ge "$kill_after" ]; do
     kill -0 "$run_pid" 2>/dev/null || fail "the run ended before step $kill_after: $(tail -5 "$out/run.log")"
     sleep 1
 done
-log "step $kill_after done: killing the generator (SIGKILL), then starting it again"
-compose kill -s SIGKILL generator >>"$out/compose.log" 2>&1
 killed_at=$(last_step)
+log "step $killed_at done: killing the generator (SIGKILL), then starting it again"
+compose kill -s SIGKILL generator >>"$out/compose.log" 2>&1
 compose start generator >>"$out/compose.log" 2>&1
 wait "$run_pid" || { run_pid=""; fail "relayrl run failed: $(tail -5 "$out/run.log")"; }
 run_pid=""
@@ -320,8 +330,8 @@ log "on the runs volume: $run_dir (metrics.jsonl, reward_curve.png, checkpoints:
 
 # -- down: no container, network or process left ------------------------------------------------
 pids=""
-for id in $(containers); do
-    pids+=" $(docker top "$id" -eo pid 2>/dev/null | tail -n +2 | tr '\n' ' ')"
+for id in $(docker ps -q --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME"); do
+    pids+=" $(docker top "$id" -eo pid | tail -n +2 | tr '\n' ' ')"
 done
 [ -n "${pids// /}" ] || fail "found no container processes to follow through down"
 t0=$(now)

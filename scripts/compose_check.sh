@@ -99,6 +99,12 @@ if [ -n "$(compose ps -q 2>/dev/null)" ]; then
     fail "compose project $COMPOSE_PROJECT_NAME is up already: 'COMPOSE_PROJECT_NAME=$COMPOSE_PROJECT_NAME docker compose down -v' in deploy/compose first"
 fi
 
+# Room for the builds: the generator's install stage alone writes ~4 GB twice (its layer and the
+# image's copy), and a rebuild leaves the replaced layers behind as dangling images.
+root_dir=$(docker info -f '{{.DockerRootDir}}')
+free_gb=$(df -P -BG "$root_dir" | awk 'NR == 2 {sub("G", "", $4); print $4}')
+[ "$free_gb" -ge 16 ] || fail "only $free_gb GB free under $root_dir; the images need ~16 GB (old builds: docker image prune)"
+
 have_image() { docker image inspect "$1" >/dev/null 2>&1 || timeout 120 docker pull -q "$1" >/dev/null 2>&1; }
 
 # -- the base image --------------------------------------------------------------------------------

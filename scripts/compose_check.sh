@@ -59,7 +59,11 @@ engine_pid="" http_pid="" run_pid="" stack_up=0
 cleanup() {
     local rc=$?
     set +e
+    trap - ERR
     [ -n "$run_pid" ] && kill "$run_pid" 2>/dev/null
+    if [ "$stack_up" = 1 ] && [ "$rc" != 0 ]; then  # before down: the services' side of a failure
+        compose logs --no-color >"$out/services.log" 2>&1 && log "service logs: $out/services.log"
+    fi
     if [ "$stack_up" = 1 ] && [ "${KEEP:-0}" != 1 ]; then
         compose down --volumes --remove-orphans >>"$out/compose.log" 2>&1
     fi
@@ -221,7 +225,7 @@ healthy() {  # every started service healthy (init: exited 0); fails on an unhea
                 "init exited 0 "*) ;;
                 "init "*) [ "${state%% *}" = exited ] && fail "init exited: $state (compose logs init)"; waiting+=" $svc" ;;
                 *" running 0 healthy"|*" running 0 none") ;;
-                *unhealthy) fail "$svc is unhealthy (docker compose logs $svc)" ;;
+                *unhealthy) fail "$svc is unhealthy (its log: $out/services.log)" ;;
                 *" exited "*) fail "$svc exited: $state" ;;
                 *) waiting+=" $svc" ;;
             esac
@@ -328,7 +332,7 @@ sys.exit(1 if problems else 0)
 PY
 # The learner writes under its --checkpoint-dir /runs, at the path the coordinator names: the run
 # folder's checkpoints/ (one DeepSpeed tag folder per checkpoint), beside coordinator.json.
-ckpt=$(in_coordinator sh -c "ls -d $run_dir/checkpoints/step*/ 2>/dev/null" | tr '\n' ' ')
+ckpt=$(in_coordinator sh -c "ls -d $run_dir/checkpoints/step*/ 2>/dev/null" | tr '\n' ' ' || true)
 [ -n "$ckpt" ] || fail "no learner checkpoint under $run_dir/checkpoints on the runs volume"
 in_coordinator test -s "$run_dir/checkpoints/coordinator.json" || fail "no coordinator.json in $run_dir/checkpoints"
 in_coordinator test -s "$run_dir/reward_curve.png" || fail "no reward curve in $run_dir"
@@ -347,7 +351,7 @@ label=com.docker.compose.project=$COMPOSE_PROJECT_NAME
 left_containers=$(docker ps -aq --filter "label=$label")
 left_networks=$(docker network ls -q --filter "label=$label")
 left_pids=""
-for pid in $pids; do kill -0 "$pid" 2>/dev/null && left_pids+=" $pid"; done
+for pid in $pids; do [ -d "/proc/$pid" ] && left_pids+=" $pid"; done  # kill -0 says no to others' PIDs
 [ -z "$left_containers$left_networks$left_pids" ] ||
     fail "left behind by down: containers [$left_containers] networks [$left_networks] processes [$left_pids]"
 log "down left no container, network or process ($(echo $pids | wc -w) container processes gone); the volumes stay: $(docker volume ls -q --filter "label=$label" | tr '\n' ' ')"

@@ -127,12 +127,12 @@ def eager_without_compiler() -> bool:
     them eagerly (TORCHDYNAMO_DISABLE: same results, no compile). Returns whether it did."""
     if os.environ.get("TORCHDYNAMO_DISABLE") is not None:
         return False  # the operator's choice
-    if any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c):
+    if any(shutil.which(c) for c in (os.environ.get("CXX"), "g++") if c):  # what inductor tries
         return False
     import torch
 
-    if torch.cuda.is_available():
-        return False  # GPU images carry the toolchain Triton needs; nothing to guess here
+    if torch.version.cuda or getattr(torch.version, "hip", None):
+        return False  # a GPU build of torch (asked without touching the driver): Triton compiles
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
     logging.getLogger("relayrl").info(
         "no C++ compiler on this machine: vLLM's compiled sampler ops run eagerly"

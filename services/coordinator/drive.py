@@ -39,7 +39,12 @@ async def drive(
         """A generator serving again after a failure (a restarted container holds the initial
         weights): registered anew, and given the learner's current weights before it samples."""
         reg = await learner.register_generator(name, address)
-        await learner.push_weights(reg.policy_version)
+        try:
+            await learner.push_weights(reg.policy_version)
+        except BaseException:
+            # Left registered, a replica that failed again would fail every later push.
+            await learner.unregister_generator(name)
+            raise
 
     # A dead generator must not fail every later push: the learner forgets it until it is back.
     gens = GeneratorPool(

@@ -239,8 +239,9 @@ class Experiment:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == PUSH_ATTEMPTS - 1:
                     raise
                 dropped = await self.gen.drop_unserving()
-                for name in dropped:
-                    await self.learner.unregister_generator(name)
+                for rep in self.gen.replicas:  # every one out of rotation: none may hold up a push
+                    if not rep.healthy:
+                        await self.learner.unregister_generator(rep.name)
                 logger.warning(
                     "weight push of version %d failed (%s); out of rotation: %s; pushing again",
                     self.version,

@@ -3,8 +3,8 @@
 A replica whose call failed leaves the rotation (``mark_down``). It is not gone for good: a
 container that crashed, was OOM-killed or rolled to a new image comes back at the same address a
 few minutes later. So every ``probe_s`` a replica out of rotation is asked the gRPC health
-protocol on a fresh channel (a channel to a dead peer backs off for up to two minutes between
-reconnects); once it answers SERVING, ``readmit`` runs (for generators: register with the learner
+protocol on a fresh channel with a subchannel of its own (a channel to a dead peer backs off for
+up to two minutes between reconnects); once it answers SERVING, ``readmit`` runs (for generators: register with the learner
 and take its current weights, so the replica never samples with an older policy) and the replica
 is back. Callers that find no replica in rotation wait for one up to ``wait_s`` before
 ``NoReplicaLeft``: a run with one generator outlives that generator's restart instead of failing.
@@ -105,17 +105,21 @@ class Rotation:
                     logger.warning("%s %s (%s) back in rotation", self.kind, rep.name, rep.address)
 
     async def drop_unserving(self) -> list[str]:
-        """Probe the replicas in rotation; those that do not answer SERVING leave it. Returns
-        their names (after a failure that names no replica, e.g. a broken weight push)."""
+        """Probe the replicas in rotation; those that do not answer at all leave it. Returns
+        their names (after a failure that names no replica, e.g. a broken weight push). A
+        replica that answers NOT_SERVING stays: generators say so while swapping weights."""
         reps = self.healthy()
-        whys = await asyncio.gather(*(self._serving(r.channel) for r in reps))
-        for rep, why in zip(reps, whys, strict=True):
-            if why:
-                self.mark_down(rep, why)
-        return [rep.name for rep, why in zip(reps, whys, strict=True) if why]
+        whys = await asyncio.gather(*(self._check(r.channel) for r in reps))
+        gone = [
+            (rep, why) for rep, why in zip(reps, whys, strict=True) if why and not why.startswith("health ")
+        ]
+        for rep, why in gone:
+            self.mark_down(rep, why)
+        return [rep.name for rep, _ in gone]
 
-    async def _serving(self, channel: grpc.aio.Channel) -> str:
-        """ "" when the replica answers SERVING, else why not."""
+    async def _check(self, channel: grpc.aio.Channel) -> str:
+        """ "" when the replica answers SERVING, else why not ("health NOT_SERVING" when it
+        answers otherwise, the RPC's error when it does not answer)."""
         try:
             resp = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=self.service_name), timeout=PROBE_TIMEOUT_S
@@ -127,20 +131,31 @@ class Rotation:
         return ""
 
     async def _recovered(self, rep: Replica) -> bool:
-        channel = client_channel(rep.address, self.security, OPTIONS)
-        why = await self._serving(channel)
-        if not why and self.readmit:
-            try:
-                await self.readmit(rep.name, rep.address)
-            except grpc.aio.AioRpcError as e:
-                why = f"serving, but not readmitted: {e.code().name} {e.details()}"
-        if why:
-            logger.info("%s %s still out of rotation: %s", self.kind, rep.name, why)
-            await channel.close()
-            return False
-        old, rep.channel = rep.channel, channel
-        await old.close()
-        return True
+        # A subchannel of its own: gRPC shares subchannels between channels to one address, and
+        # the shared one of a dead peer waits out a growing reconnect backoff (up to 2 min).
+        channel = client_channel(
+            rep.address, self.security, [*OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+        )
+        adopted = False
+        try:
+            why = await self._check(channel)
+            if not why and self.readmit:
+                try:
+                    await self.readmit(rep.name, rep.address)
+                except Exception as e:  # any failure leaves it out; it is tried again later
+                    detail = (
+                        f"{e.code().name} {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else repr(e)
+                    )
+                    why = f"serving, but not readmitted: {detail}"
+            if why:
+                logger.info("%s %s still out of rotation: %s", self.kind, rep.name, why)
+                return False
+            old, rep.channel, adopted = rep.channel, channel, True
+            await old.close()
+            return True
+        finally:
+            if not adopted:
+                await channel.close()
 
     async def close(self) -> None:
         for r in self.replicas:

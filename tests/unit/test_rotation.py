@@ -201,3 +201,27 @@ async def test_a_push_broken_by_a_dying_generator_is_made_again_without_it():
     exp.learner = Refusing()
     with pytest.raises(grpc.aio.AioRpcError):
         await exp.push()
+
+
+async def test_only_a_replica_that_does_not_answer_is_dropped_and_any_readmission_error_leaves_it_out():
+    swapping, gone = HealthServer(), HealthServer()
+    await swapping.start(serving=False)  # a generator answers NOT_SERVING while it swaps weights
+    await gone.start()
+    calls = []
+
+    async def readmit(name, address):
+        calls.append(name)
+        raise RuntimeError("learner went away")  # not a gRPC error: still only a failed try
+
+    rot = await _rotation([swapping, gone], readmit)
+    try:
+        await gone.stop()
+        assert await rot.drop_unserving() == ["gen-1"]
+        assert [r.name for r in rot.healthy()] == ["gen-0"]
+        await gone.start()
+        await asyncio.sleep(0.06)
+        assert [r.name for r in await rot.available()] == ["gen-0"] and calls == ["gen-1"]
+    finally:
+        await rot.close()
+        await swapping.stop()
+        await gone.stop()

@@ -49,14 +49,17 @@ def _pipeline(tok: Tokenizer) -> Tokenizer:
     return tok
 
 
-def train_bpe(corpus: Iterable[str], vocab_size: int = 512) -> Tokenizer:
+def train_bpe(
+    corpus: Iterable[str], vocab_size: int = 512, special_tokens: Iterable[str] = SPECIAL_TOKENS
+) -> Tokenizer:
     """Train a byte-level BPE on ``corpus``; the 256 byte symbols are always in the vocabulary,
-    so any text encodes (no unknown token). Same corpus and size -> same tokenizer."""
+    so any text encodes (no unknown token). Same corpus and size -> same tokenizer.
+    ``special_tokens`` take the first ids (ChatML's by default; tests pass other families')."""
     tok = _pipeline(Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False)))
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=2,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

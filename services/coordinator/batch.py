@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from relayrl.common.v1 import common_pb2
 from relayrl.coordinator.advantages import advantages
-from relayrl.coordinator.clients import LearnerClient
+from relayrl.coordinator.clients import LearnerClient, version_of
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.token_advantages import explained_variance, kl_penalty, token_advantages
 from relayrl.learner.v1 import learner_pb2 as lp
@@ -41,11 +41,6 @@ class Rollout:
     groups: list[tuple[dict, list[common_pb2.Sample], list[rw.RewardResult]]]
     seconds: dict[str, float] = field(default_factory=dict)
     gen_tokens: int = 0
-
-
-def version_of(s: common_pb2.Sample) -> int:
-    """The oldest policy version that produced any token of the sample."""
-    return min([s.policy_version, *(sp.version for sp in s.version_spans)])
 
 
 def train_sample(s: common_pb2.Sample, **advantage) -> lp.TrainSample:

@@ -42,6 +42,11 @@ _DOWN = {
 }
 
 
+def version_of(s: common_pb2.Sample) -> int:
+    """The oldest policy version that produced any token of the sample."""
+    return min([s.policy_version, *(sp.version for sp in s.version_spans)])
+
+
 def _split(items: Sequence, parts: int) -> list[list]:
     return [list(items[i::parts]) for i in range(parts)]
 
@@ -70,9 +75,17 @@ class GeneratorPool(Rotation):
         self.deadline_s = deadline_s
 
     async def generate(
-        self, prompts: list[common_pb2.Prompt], sampling: g.SamplingParams, request_id: str
+        self,
+        prompts: list[common_pb2.Prompt],
+        sampling: g.SamplingParams,
+        request_id: str,
+        min_version: int = 0,
     ) -> dict[str, list[common_pb2.Sample]]:
-        """All ``sampling.n`` samples of every prompt, grouped by prompt_id."""
+        """All ``sampling.n`` samples of every prompt, grouped by prompt_id. ``min_version``:
+        the policy version every replica in rotation holds (the last one pushed); a replica
+        that samples with an older one restarted between two calls (it serves the weights it
+        loaded): it leaves the rotation, to come back at the current weights, and its prompts
+        go to the others."""
         done: dict[str, dict[int, common_pb2.Sample]] = {}
         todo = list(prompts)
         attempt = 0
@@ -81,7 +94,7 @@ class GeneratorPool(Rotation):
             shares = _split(todo, len(reps))
             results = await asyncio.gather(
                 *(
-                    self._call(rep, share, sampling, f"{request_id}-a{attempt}-{i}")
+                    self._call(rep, share, sampling, f"{request_id}-a{attempt}-{i}", min_version)
                     for i, (rep, share) in enumerate(zip(reps, shares, strict=True))
                     if share
                 )
@@ -95,7 +108,7 @@ class GeneratorPool(Rotation):
             attempt += 1
         return {pid: [s[i] for i in sorted(s)] for pid, s in done.items()}
 
-    async def _call(self, rep: Replica, share: list, sampling: g.SamplingParams, rid: str):
+    async def _call(self, rep: Replica, share: list, sampling: g.SamplingParams, rid: str, min_version: int):
         got: dict[str, dict[int, common_pb2.Sample]] = {}
         stub = gg.GeneratorServiceStub(rep.channel)
         try:
@@ -107,6 +120,10 @@ class GeneratorPool(Rotation):
             async for resp in call:
                 for s in resp.samples:
                     got.setdefault(s.prompt_id, {})[s.sample_index] = s
+            oldest = min((version_of(s) for v in got.values() for s in v.values()), default=min_version)
+            if oldest < min_version:
+                self.mark_down(rep, f"sampled with policy version {oldest}, not {min_version}: restarted?")
+                return {}, share
             return got, []
         except grpc.aio.AioRpcError as e:
             if e.code() not in _DOWN:

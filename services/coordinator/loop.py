@@ -149,7 +149,10 @@ class Experiment:
             for pid, row in batch
         ]
         samples = await self.gen.generate(
-            prompts, self._sampling(greedy), request_id=tag or f"step{self.pos.step}"
+            prompts,
+            self._sampling(greedy),
+            request_id=tag or f"step{self.pos.step}",
+            min_version=self.version,
         )
         t1 = time.monotonic()
         items = []

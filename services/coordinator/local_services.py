@@ -47,6 +47,8 @@ class LocalServices:
         path.parent.mkdir(exist_ok=True)
         path.write_text(cfg_mod.dump_yaml(section))
         env = {"CUDA_VISIBLE_DEVICES": devices} if devices else {}
+        if self.cfg.services.threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.cfg.services.threads)
         proc = ServiceProcess(
             name, [service, "--config", str(path), "--port", "0", *extra], self.run_dir / "logs", env=env
         )

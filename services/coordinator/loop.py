@@ -124,18 +124,20 @@ class Experiment:
         return out, Position(pos.step, epoch, index)
 
     # -- phases ----------------------------------------------------------------------------
-    def _sampling(self, greedy: bool) -> g.SamplingParams:
-        s = self.cfg.sampling
+    def _sampling(self, evaluation: bool) -> g.SamplingParams:
+        s, sched = self.cfg.sampling, self.cfg.schedule
         return g.SamplingParams(
-            n=1 if greedy else s.n,
+            n=sched.eval_samples if evaluation else s.n,
             max_tokens=s.max_tokens,
             stop=s.stop,
-            temperature=0.0 if greedy else s.temperature,
+            temperature=sched.eval_temperature if evaluation else s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,
         )
 
-    async def rollout(self, batch: list[tuple[str, dict]], greedy: bool = False, tag: str = "") -> Rollout:
+    async def rollout(
+        self, batch: list[tuple[str, dict]], evaluation: bool = False, tag: str = ""
+    ) -> Rollout:
         t0 = time.monotonic()
         prompts = [
             common_pb2.Prompt(
@@ -150,7 +152,7 @@ class Experiment:
         ]
         samples = await self.gen.generate(
             prompts,
-            self._sampling(greedy),
+            self._sampling(evaluation),
             request_id=tag or f"step{self.pos.step}",
             min_version=self.version,
         )
@@ -202,17 +204,19 @@ class Experiment:
         )
 
     async def evaluate(self) -> float:
-        """Greedy accuracy on the held-out rows: share of rows whose answer is correct."""
+        """Held-out accuracy: the share of completions whose answer is correct (one greedy
+        completion per row, or ``schedule.eval_samples`` sampled ones)."""
         if not self.test_rows:
             return float("nan")
         batch = [(f"test-{i}", row) for i, row in enumerate(self.test_rows)]
-        ro = await self.rollout(batch, greedy=True, tag=f"eval{self.pos.step}")
-        hits = 0
-        for _, _, results in ro.groups:
-            r = results[0]
-            correct = r.components.get("correctness", 1.0 if r.reward >= 1.0 else 0.0)
-            hits += r.status == rw.SCORE_STATUS_OK and correct >= 1.0
-        return hits / len(ro.groups)
+        ro = await self.rollout(batch, evaluation=True, tag=f"eval{self.pos.step}")
+        results = [r for _, _, rs in ro.groups for r in rs]
+        hits = sum(
+            r.status == rw.SCORE_STATUS_OK
+            and r.components.get("correctness", 1.0 if r.reward >= 1.0 else 0.0) >= 1.0
+            for r in results
+        )
+        return hits / max(1, len(results))
 
     async def evaluate_alone(self, pending: asyncio.Future | None) -> dict[str, float]:
         """``evaluate`` once ``pending`` (the batch in flight) has finished generating: the
@@ -351,6 +355,9 @@ class Experiment:
                     "grad_norm": m.grad_norm,
                     "lr": m.lr,
                     "train_tokens": m.tokens,
+                    # rank 0's memory: CUDA allocator peak, or on CPU peak and current RSS
+                    "learner_peak_memory_mb": m.extra.get("peak_memory_mb", float("nan")),
+                    "learner_resident_mb": m.extra.get("resident_memory_mb", float("nan")),
                 }
             if critic_resp is not None:
                 self.critic_step = critic_resp.step

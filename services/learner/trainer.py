@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from relayrl.common import weightsync as ws
+from relayrl.common.memory import resident_mb, trim_heap
 from relayrl.learner.batching import plan_step
 from relayrl.learner.config import LearnerConfig
 from relayrl.learner.logprobs import chunk_rows, head_calls
@@ -234,6 +235,8 @@ class Trainer:
         if applied:
             self.step += 1
             self.version += 1
+        if self.device.type == "cpu":
+            trim_heap()  # the step's activations go back to the OS (relayrl.common.memory)
         t = float(totals.tokens)
         per_token_means = {METRIC_NAMES.get(n, n): float(sums[2 + i]) / t for i, n in enumerate(names)}
         return {
@@ -249,6 +252,7 @@ class Trainer:
             "step_seconds": time.monotonic() - t0,
             "micro_batches": len(plan),
             "peak_memory_mb": _peak_memory_mb(self.device),
+            "resident_memory_mb": resident_mb(),
         }
 
     def score(self, samples: list[Sample]) -> list[list[float]]:

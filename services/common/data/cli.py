@@ -20,6 +20,10 @@ _PARAM_FLAGS = {
     "max_len": "--max-len",
     "trace": "--trace",
     "num_numbers": "--num-numbers",
+    "min_operands": "--min-operands",
+    "max_operands": "--max-operands",
+    "max_value": "--max-value",
+    "shots": "--shots",
 }
 
 
@@ -41,6 +45,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--trace", action="store_true", default=None, help="reverse: step-by-step <think> completions"
     )
     p.add_argument("--num-numbers", type=int, help="countdown: numbers per problem (default: 3 or 4)")
+    p.add_argument("--min-operands", type=int, help="arithmetic: fewest operands (default 2)")
+    p.add_argument("--max-operands", type=int, help="arithmetic: most operands (default 3)")
+    p.add_argument("--max-value", type=int, help="arithmetic: largest operand (default 99)")
+    p.add_argument(
+        "--shots",
+        type=int,
+        help="worked examples (training problems) before each prompt, as earlier chat turns (default 0)",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -54,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
     params = {k: getattr(args, k) for k in _PARAM_FLAGS if getattr(args, k, None) is not None}
     spec = TASKS[args.task]
-    foreign = [_PARAM_FLAGS[k] for k in params if k not in spec.defaults]
+    foreign = [_PARAM_FLAGS[k] for k in params if k not in spec.defaults and k != "shots"]
     if foreign:
         raise SystemExit(f"relayrl data: error: {', '.join(foreign)} does not apply to task {args.task!r}")
     if args.n < 1:

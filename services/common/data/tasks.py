@@ -26,18 +26,28 @@ problems of its own bucket. Within one call problems are also unique. Everything
 
 from __future__ import annotations
 
-import ast
 import hashlib
-import operator
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any
+
+from relayrl.common.data.expressions import expression_steps, random_tree, reverse_trace
+
+__all__ = [
+    "TASKS",
+    "generate",
+    "reference_completion",
+    "worked_completion",
+    "expression_steps",
+    "reverse_trace",
+]
 
 SPLITS = ("train", "test")
 TEST_BUCKETS = 10
 """One problem in this many (by hash of its key) belongs to the test split, the rest to train."""
+MAX_SHOTS = 8
+"""Most worked examples a prompt may carry (``shots``)."""
 
 ANSWER_TAGS = "Put the answer in <answer> </answer> tags."
 
@@ -68,113 +78,7 @@ def derive_seed(task: str, split: str, seed: int) -> int:
     return int.from_bytes(hashlib.sha256(f"relayrl-data|{task}|{split}|{seed}".encode()).digest()[:8], "big")
 
 
-_OPS: dict[type, tuple[str, Callable[[Fraction, Fraction], Fraction]]] = {
-    ast.Add: ("+", operator.add),
-    ast.Sub: ("-", operator.sub),
-    ast.Mult: ("*", operator.mul),
-    ast.Div: ("/", operator.truediv),
-}
-
-
-def _fmt(x: Fraction) -> str:
-    return str(x.numerator) if x.denominator == 1 else f"{x.numerator}/{x.denominator}"
-
-
-def expression_steps(expr: str) -> tuple[Fraction, list[str]]:
-    """Evaluate an integer + - * / expression with ``ast`` (never ``eval``), recording each step.
-
-    Steps come in evaluation order, one ``"a op b = c"`` per binary operation.
-
-    >>> value, steps = expression_steps("(19 + 36) * 7 / 5")
-    >>> value, steps
-    (Fraction(77, 1), ['19 + 36 = 55', '55 * 7 = 385', '385 / 5 = 77'])
-    >>> expression_steps("2 ** 3")
-    Traceback (most recent call last):
-    ...
-    ValueError: unsupported expression element: BinOp with Pow
-    """
-    steps: list[str] = []
-
-    def walk(node: ast.AST) -> Fraction:
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            return Fraction(node.value)
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -walk(node.operand)
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            left, right = walk(node.left), walk(node.right)
-            sym, fn = _OPS[type(node.op)]
-            if sym == "/" and right == 0:
-                raise ValueError("division by zero")
-            out = fn(left, right)
-            steps.append(f"{_fmt(left)} {sym} {_fmt(right)} = {_fmt(out)}")
-            return out
-        detail = f" with {type(node.op).__name__}" if isinstance(node, ast.BinOp) else ""
-        raise ValueError(f"unsupported expression element: {type(node).__name__}{detail}")
-
-    return walk(ast.parse(expr, mode="eval").body), steps
-
-
-def reverse_trace(digits: str) -> str:
-    """The step-by-step reference completion for reversing ``digits``.
-
-    Regular on purpose so a tiny model can learn it: copy the digits one by one (a byte-level
-    BPE merges digit runs; spaced digits are one token each), read them back from the last one,
-    state the result, then answer. For 8-12 digits this is about 55-90 tokens under a small
-    byte-level BPE, so generation carries real weight.
-
-    >>> reverse_trace("4821")
-    '<think>digits 4 8 2 1; last digit 1, then 2, then 8, then 4; so 1284</think>\\n<answer>1284</answer>'
-    >>> reverse_trace("7")
-    '<think>digits 7; last digit 7; so 7</think>\\n<answer>7</answer>'
-    """
-    rev = digits[::-1]
-    return f"<think>digits {' '.join(digits)}; last digit {', then '.join(rev)}; so {rev}</think>\n<answer>{rev}</answer>"
-
-
 # ---- countdown --------------------------------------------------------------------------------------
-
-_PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
-_APPLY = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.floordiv}
-
-
-@dataclass(frozen=True)
-class _Node:
-    """An expression tree node: a number (``op`` empty) or ``left op right``."""
-
-    value: int
-    op: str = ""
-    left: _Node | None = None
-    right: _Node | None = None
-
-    def render(self) -> str:
-        if not self.op:
-            return str(self.value)
-        assert self.left is not None and self.right is not None
-        lhs, rhs = self.left.render(), self.right.render()
-        p = _PREC[self.op]
-        if self.left.op and _PREC[self.left.op] < p:
-            lhs = f"({lhs})"
-        # Right operand of - and / needs parentheses at equal precedence: a - (b - c) != a - b - c.
-        if self.right.op and (_PREC[self.right.op] < p or (_PREC[self.right.op] == p and self.op in "-/")):
-            rhs = f"({rhs})"
-        return f"{lhs} {self.op} {rhs}"
-
-
-def _random_tree(rng: random.Random, numbers: list[int]) -> _Node:
-    """Combine random pairs until one node is left; every intermediate stays a positive integer."""
-    nodes = [_Node(n) for n in numbers]
-    while len(nodes) > 1:
-        i, j = rng.sample(range(len(nodes)), 2)
-        a, b = nodes[i], nodes[j]
-        ops = ["+", "*"]
-        if a.value > b.value:
-            ops.append("-")
-        if a.value % b.value == 0:
-            ops.append("/")
-        op = rng.choice(ops)
-        node = _Node(_APPLY[op](a.value, b.value), op, a, b)  # "/" is exact: checked just above
-        nodes = [n for k, n in enumerate(nodes) if k not in (i, j)] + [node]
-    return nodes[0]
 
 
 @dataclass(frozen=True)
@@ -204,7 +108,7 @@ def _countdown(
     k = num_numbers if num_numbers is not None else rng.choice((3, 4))
     while True:  # resample until the target is in range (every intermediate is already positive)
         numbers = [rng.randint(min_number, max_number) for _ in range(k)]
-        tree = _random_tree(rng, numbers)
+        tree = random_tree(rng, numbers)
         if tree.value <= max_target:
             break
     return Problem(
@@ -261,6 +165,13 @@ def _answer_reference(row: Mapping[str, Any]) -> str:
     return f"<answer>{row['reward_model']['ground_truth']}</answer>"
 
 
+def _arithmetic_worked(row: Mapping[str, Any]) -> str:
+    # The steps before the tags: a small model shown a bare "<answer>5</answer>" copies the tags
+    # and skips the arithmetic (SmolLM2-135M: greedy accuracy 0.08 against 0.92 with the steps).
+    _, steps = expression_steps(row["extra_info"]["expression"])
+    return f"{', '.join(steps)}, so the answer is <answer>{row['reward_model']['ground_truth']}</answer>"
+
+
 # ---- reverse ----------------------------------------------------------------------------------------
 
 
@@ -306,6 +217,8 @@ class TaskSpec:
     """``check(**params)`` raises ValueError on out-of-range parameters."""
     reference: Callable[[Mapping[str, Any]], str]
     """``reference(row) -> completion`` a perfect model writes."""
+    worked: Callable[[Mapping[str, Any]], str] | None = None
+    """``worked(row) -> completion`` shown in a worked example (``shots``); None: ``reference``."""
 
 
 TASKS: dict[str, TaskSpec] = {
@@ -324,6 +237,7 @@ TASKS: dict[str, TaskSpec] = {
         _arithmetic,
         _arithmetic_check,
         _answer_reference,
+        _arithmetic_worked,
     ),
     "reverse": TaskSpec(
         "reverse",
@@ -355,13 +269,18 @@ def generate(task: str, n: int, seed: int, split: str = "train", **params: Any) 
         raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
+    shots = params.pop("shots", 0)
     unknown = sorted(set(params) - set(spec.defaults))
     if unknown:
         raise ValueError(
-            f"{task} takes no parameter(s) {', '.join(unknown)}; known: {', '.join(spec.defaults)}"
+            f"{task} takes no parameter(s) {', '.join(unknown)}; known: {', '.join(spec.defaults)}, shots"
         )
+    if type(shots) is not int or not 0 <= shots <= MAX_SHOTS:
+        raise ValueError(f"shots must be an integer in 0..{MAX_SHOTS}, got {shots!r}")
     kw = {**spec.defaults, **params}
     spec.check(**kw)
+    # Examples come from a stream of their own, so rows are the same problems with or without them.
+    shot_rng = random.Random(derive_seed(task, "shots", seed))
 
     rng = random.Random(derive_seed(task, split, seed))
     rows: list[dict[str, Any]] = []
@@ -378,16 +297,59 @@ def generate(task: str, n: int, seed: int, split: str = "train", **params: Any) 
         if p.key in seen or split_of(task, p.key) != split:
             continue
         seen.add(p.key)
+        examples = _worked_examples(task, spec, kw, shot_rng, shots, p.key) if shots else []
         rows.append(
             {
                 "data_source": task,
-                "prompt": [{"role": "user", "content": p.prompt}],
+                "prompt": [*examples, {"role": "user", "content": p.prompt}],
                 "ability": spec.ability,
                 "reward_model": {"style": "rule", "ground_truth": p.ground_truth},
-                "extra_info": {"split": split, "index": len(rows), **p.info},
+                "extra_info": {
+                    "split": split,
+                    "index": len(rows),
+                    **p.info,
+                    **({"shots": shots} if shots else {}),
+                },
             }
         )
     return rows
+
+
+def _worked_examples(
+    task: str, spec: TaskSpec, kw: Mapping[str, Any], rng: random.Random, shots: int, own_key: str
+) -> list[dict[str, str]]:
+    """``shots`` solved problems as earlier chat turns (user, then assistant): few-shot prompting
+    for instruction models that do not follow an answer format from the instruction alone. They
+    are training-split problems, never the row's own, so a test prompt leaks no test answer."""
+    turns: list[dict[str, str]] = []
+    keys = {own_key}
+    for _ in range(1000 * shots):
+        if len(turns) == 2 * shots:
+            return turns
+        p = spec.sample(rng, **kw)
+        if p.key in keys or split_of(task, p.key) != "train":
+            continue
+        keys.add(p.key)
+        row = {"data_source": task, "reward_model": {"ground_truth": p.ground_truth}, "extra_info": p.info}
+        turns += [
+            {"role": "user", "content": p.prompt},
+            {"role": "assistant", "content": (spec.worked or spec.reference)(row)},
+        ]
+    if len(turns) == 2 * shots:
+        return turns
+    raise ValueError(f"{task}: could not draw {shots} distinct worked examples with {dict(kw)}")
+
+
+def worked_completion(row: Mapping[str, Any]) -> str:
+    """The completion a worked example shows for ``row``: the steps, then the answer.
+
+    >>> row = generate("arithmetic", 1, seed=0, min_operands=2, max_operands=2)[0]
+    >>> e = row["extra_info"]["expression"]
+    >>> worked_completion(row).startswith(e + " = ")
+    True
+    """
+    spec = TASKS[row["data_source"]]
+    return (spec.worked or spec.reference)(row)
 
 
 def reference_completion(row: Mapping[str, Any]) -> str:

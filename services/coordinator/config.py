@@ -153,6 +153,17 @@ class ScheduleSection(StrictModel):
     checkpoint_every: int = Field(50, ge=0)
     """Checkpoint every this many steps; 0 only at the end."""
 
+    @property
+    def eval_label(self) -> str:
+        """What ``eval_accuracy`` measures, in words (logs and the curve).
+
+        >>> ScheduleSection().eval_label, ScheduleSection(eval_temperature=1, eval_samples=4).eval_label
+        ('held-out greedy accuracy', 'held-out accuracy (4 samples per prompt at temperature 1)')
+        """
+        if self.eval_temperature == 0:
+            return "held-out greedy accuracy"
+        return f"held-out accuracy ({self.eval_samples} samples per prompt at temperature {self.eval_temperature:g})"
+
     @model_validator(mode="after")
     def _eval_sampling(self) -> ScheduleSection:
         if self.eval_samples > 1 and self.eval_temperature == 0:

@@ -47,7 +47,7 @@ def progress(total: int, start: int):
     return log_line, lambda: None
 
 
-def plot(run_dir: Path, records: list[dict]) -> Path | None:
+def plot(run_dir: Path, records: list[dict], eval_label: str = "held-out greedy accuracy") -> Path | None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -64,7 +64,7 @@ def plot(run_dir: Path, records: list[dict]) -> Path | None:
             [r["step"] for r in evals],
             [r["eval_accuracy"] for r in evals],
             "o-",
-            label="held-out greedy accuracy",
+            label=eval_label,
         )
     ax.set_xlabel("step")
     ax.set_ylim(-0.05, 1.05)

@@ -141,7 +141,7 @@ class Registry:
         finally:
             await asyncio.to_thread(services.stop)
             try:
-                plot(h.run_dir, h.records)
+                plot(h.run_dir, h.records, h.cfg.schedule.eval_label)
             except Exception:
                 logger.warning("reward curve not written", exc_info=True)
             await h.notify()

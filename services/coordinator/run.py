@@ -83,7 +83,7 @@ def run(
     if h.state == FAILED:
         raise SystemExit(f"{prog}: {h.run_id} failed: {h.message}")
     if evals:
-        print(f"held-out greedy accuracy: {evals[0]:.3f} -> {evals[-1]:.3f}", flush=True)
+        print(f"{h.cfg.schedule.eval_label}: {evals[0]:.3f} -> {evals[-1]:.3f}", flush=True)
     if (h.run_dir / "reward_curve.png").exists():
         print(f"reward curve: {h.run_dir / 'reward_curve.png'}", flush=True)
     print(f"{h.run_id}: {h.state} at step {h.step}", flush=True)

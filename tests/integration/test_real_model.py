@@ -53,8 +53,9 @@ def test_smollm2_learns_arithmetic_on_the_cpu(smollm2_wheel, tmp_path):
     assert [s for s, _ in evals] == [0, 4, 8]
     first, last = evals[0][1], evals[-1][1]
     assert last >= first + 0.2, f"held-out sampled accuracy did not rise by 0.2: {evals}"
-    # The rise is the verifier's strict answers, not a format bonus: reward here is correctness
-    # (1) or a well-formed wrong answer (0.1), and training reward rose with it.
-    assert steps[-1]["reward_correctness"] > steps[0]["reward_correctness"]
+    # The rise is in correct answers, not only the 0.1 a well-formed wrong one earns: the share
+    # of correct training samples rose too (first two steps against the last two).
+    early, late = (sum(r["reward_correctness"] for r in pair) / 2 for pair in (steps[:2], steps[-2:]))
+    assert late > early, (early, late)
     # The curve a user sees.
     assert (run_dir / "reward_curve.png").is_file()

@@ -30,7 +30,7 @@ def pytest_collection_modifyitems(config, items):
     long_skip = pytest.mark.skip(reason="long (~15 min on 2 cores): run with `pytest -m long`")
     gpu_skip = None if _has_cuda() else pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "long" in item.keywords and not asked:
+        if item.get_closest_marker("long") and not asked:
             item.add_marker(long_skip)
         if "gpu" in item.keywords and gpu_skip is not None:
             item.add_marker(gpu_skip)

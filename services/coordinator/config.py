@@ -65,7 +65,7 @@ class TaskDataSpec(StrictModel):
 
         try:  # no rows: only the parameter checks run
             generate(self.task, 0, self.seed, **self.params)
-        except ValueError as e:
+        except (ValueError, TypeError) as e:  # TypeError: a null where the task wants a number
             raise ValueError(f"data.generate.params: {e}") from e
         return self
 

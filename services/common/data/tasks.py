@@ -323,9 +323,9 @@ def _worked_examples(
     are training-split problems, never the row's own, so a test prompt leaks no test answer."""
     turns: list[dict[str, str]] = []
     keys = {own_key}
-    for _ in range(1000 * shots):
+    for _ in range(1000 * shots):  # draws; the train split holds ~90 % of every problem space
         if len(turns) == 2 * shots:
-            return turns
+            break
         p = spec.sample(rng, **kw)
         if p.key in keys or split_of(task, p.key) != "train":
             continue
@@ -335,9 +335,9 @@ def _worked_examples(
             {"role": "user", "content": p.prompt},
             {"role": "assistant", "content": (spec.worked or spec.reference)(row)},
         ]
-    if len(turns) == 2 * shots:
-        return turns
-    raise ValueError(f"{task}: could not draw {shots} distinct worked examples with {dict(kw)}")
+    if len(turns) < 2 * shots:
+        raise ValueError(f"{task}: could not draw {shots} distinct worked examples with {dict(kw)}")
+    return turns
 
 
 def worked_completion(row: Mapping[str, Any]) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 
 
 @functools.cache
@@ -41,8 +42,6 @@ def resident_mb() -> float:
     >>> resident_mb() > 0
     True
     """
-    import os
-
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20

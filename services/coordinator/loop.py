@@ -355,7 +355,7 @@ class Experiment:
                     "grad_norm": m.grad_norm,
                     "lr": m.lr,
                     "train_tokens": m.tokens,
-                    # rank 0's memory: CUDA allocator peak, or on CPU peak and current RSS
+                    # rank 0's memory: peak (CUDA allocator, or RSS on CPU) and host RSS now
                     "learner_peak_memory_mb": m.extra.get("peak_memory_mb", float("nan")),
                     "learner_resident_mb": m.extra.get("resident_memory_mb", float("nan")),
                 }

@@ -34,15 +34,6 @@ from typing import Any
 
 from relayrl.common.data.expressions import expression_steps, random_tree, reverse_trace
 
-__all__ = [
-    "TASKS",
-    "generate",
-    "reference_completion",
-    "worked_completion",
-    "expression_steps",
-    "reverse_trace",
-]
-
 SPLITS = ("train", "test")
 TEST_BUCKETS = 10
 """One problem in this many (by hash of its key) belongs to the test split, the rest to train."""
@@ -333,7 +324,7 @@ def _worked_examples(
         row = {"data_source": task, "reward_model": {"ground_truth": p.ground_truth}, "extra_info": p.info}
         turns += [
             {"role": "user", "content": p.prompt},
-            {"role": "assistant", "content": (spec.worked or spec.reference)(row)},
+            {"role": "assistant", "content": worked_completion(row)},
         ]
     if len(turns) < 2 * shots:
         raise ValueError(f"{task}: could not draw {shots} distinct worked examples with {dict(kw)}")
@@ -348,7 +339,7 @@ def worked_completion(row: Mapping[str, Any]) -> str:
     >>> worked_completion(row).startswith(e + " = ")
     True
     """
-    spec = TASKS[row["data_source"]]
+    spec = _spec_of(row)
     return (spec.worked or spec.reference)(row)
 
 
@@ -359,9 +350,13 @@ def reference_completion(row: Mapping[str, Any]) -> str:
     >>> reference_completion(row) == f"<answer>{row['reward_model']['ground_truth']}</answer>"
     True
     """
+    return _spec_of(row).reference(row)
+
+
+def _spec_of(row: Mapping[str, Any]) -> TaskSpec:
     spec = TASKS.get(row.get("data_source", ""))
     if spec is None:
         raise ValueError(
             f"no reference for data_source {row.get('data_source')!r}; known: {', '.join(TASKS)}"
         )
-    return spec.reference(row)
+    return spec

@@ -15,10 +15,11 @@ gRPC's trailers carry and turn into an unrelated RESOURCE_EXHAUSTED.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -156,6 +157,21 @@ def _checked_request(request: Any) -> Any:
     if isinstance(request, Message | Undecodable):
         return checked(request)
     return _checked_stream(request)  # a client stream: each message checked as it arrives
+
+
+async def to_the_end(work: Awaitable[Any]) -> Any:
+    """Await ``work`` run as a task of its own that goes on if the caller is cancelled (a client
+    cancelled or its deadline passed): a weight swap or a collective op stopped half-way would
+    leave state that nothing records. Its failure is retrieved here (and logged at debug level),
+    so a task whose caller left does not end as "exception was never retrieved"."""
+    task = asyncio.ensure_future(work)
+    task.add_done_callback(_log_orphan_failure)
+    return await asyncio.shield(task)
+
+
+def _log_orphan_failure(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("shielded work failed: %r", task.exception())
 
 
 def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -241,6 +241,22 @@ def open_group(
     group_name: str = "relayrl-weights",
 ):
     """Join a private process group (rank 0 hosts the TCPStore). Returns the ProcessGroup."""
+    return open_group_with_store(master_addr, master_port, world_size, rank, backend, timeout_s, group_name)[
+        0
+    ]
+
+
+def open_group_with_store(
+    master_addr: str,
+    master_port: int,
+    world_size: int,
+    rank: int,
+    backend: str,
+    timeout_s: float = 300.0,
+    group_name: str = "relayrl-weights",
+):
+    """``open_group``, and the group's store: the side channel ``groupwait`` uses to say that a
+    push was abandoned. Returns (ProcessGroup, store)."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
@@ -252,11 +268,11 @@ def open_group(
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
         opts._devices = [gloo_device(master_addr, master_port)]
-        return dist.ProcessGroupGloo(store, rank, world_size, opts)
+        return dist.ProcessGroupGloo(store, rank, world_size, opts), store
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts), store
     raise ValueError(f"unknown weight-sync backend {backend!r} (gloo or nccl)")
 
 

@@ -193,8 +193,10 @@ class LearnerClient:
         self.channel = client_channel(address, security, _OPTIONS)
         self.stub = lg.LearnerServiceStub(self.channel)
         self.deadline = deadline
+        self._forgetting: set[asyncio.Future] = set()  # UnregisterGenerator calls under way
 
     async def register_generator(self, replica_id: str, address: str) -> lp.RegisterGeneratorResponse:
+        await self._forgotten()
         req = lp.RegisterGeneratorRequest(address=address, replica_id=replica_id)
         return await self.stub.RegisterGenerator(req, timeout=self.deadline, metadata=logcontext.current())
 
@@ -205,15 +207,30 @@ class LearnerClient:
     def forget_soon(self, replica_id: str) -> None:
         """Unregister a replica that failed, without waiting (called from a pool's callback)."""
         req = lp.UnregisterGeneratorRequest(replica_id=replica_id)
-        asyncio.ensure_future(
+        call = asyncio.ensure_future(
             self.stub.UnregisterGenerator(req, timeout=self.deadline, metadata=logcontext.current())
         )
+        self._forgetting.add(call)
+        call.add_done_callback(self._forget_done)
+
+    def _forget_done(self, call: asyncio.Future) -> None:
+        self._forgetting.discard(call)
+        if not call.cancelled() and call.exception() is not None:
+            logger.warning("unregistering a failed generator: %s", call.exception())
+
+    async def _forgotten(self) -> None:
+        """Wait for the unregistrations under way. The learner takes calls in any order: a push
+        that overtook one would broadcast to a dead member's group (and fail for every replica),
+        and a registration that overtook one would be undone by it."""
+        if self._forgetting:
+            await asyncio.gather(*self._forgetting, return_exceptions=True)
 
     async def train_step(self, run_id: str, step: int, samples: list) -> lp.TrainStepResponse:
         req = lp.TrainStepRequest(run_id=run_id, step=step, samples=samples)
         return await self.stub.TrainStep(req, timeout=self.deadline, metadata=logcontext.current())
 
     async def push_weights(self, version: int) -> lp.PushWeightsResponse:
+        await self._forgotten()
         return await self.stub.PushWeights(
             lp.PushWeightsRequest(version=version), timeout=self.deadline, metadata=logcontext.current()
         )

@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 from relayrl.common import weightsync as ws
-from relayrl.common.rpc import InvalidRequest, ResourceExhausted, bounded, map_errors
+from relayrl.common.rpc import InvalidRequest, ResourceExhausted, bounded, map_errors, to_the_end
 from relayrl.common.v1 import common_pb2
 from relayrl.generator import metrics
 from relayrl.generator.config import GeneratorConfig
@@ -140,16 +140,23 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         )
 
     async def _swapping(self, fn):
-        if self.set_ready:
-            await self.set_ready(False)
-        t0 = time.monotonic()
-        try:
-            return await fn()
-        finally:
-            metrics.SWAP_SECONDS.observe(time.monotonic() - t0)
-            metrics.VERSION.set(self.engine.status().policy_version)
+        """A swap, not serving meanwhile. It runs to its end even if the caller goes away (the
+        learner cancels the calls of a push that broke): cut short, the weights loaded so far
+        would be served under the old version, and readiness never restored."""
+
+        async def swap():
             if self.set_ready:
-                await self.set_ready(self.engine.status().ready)
+                await self.set_ready(False)
+            t0 = time.monotonic()
+            try:
+                return await fn()
+            finally:
+                metrics.SWAP_SECONDS.observe(time.monotonic() - t0)
+                metrics.VERSION.set(self.engine.status().policy_version)
+                if self.set_ready:
+                    await self.set_ready(self.engine.status().ready)
+
+        return await to_the_end(swap())
 
     @map_errors
     async def UpdateWeights(self, request, context):

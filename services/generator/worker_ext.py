@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 
 import torch
+from relayrl.common import groupwait
 from relayrl.common import weightsync as ws
 from relayrl.common.cudaipc import Shared, open_shared
 from relayrl.common.placement import gpu_uuid
@@ -65,7 +66,7 @@ class WeightSyncExtension:
         """Join the weight-sync group as ``base_rank + <this worker's rank>``; returns that rank."""
         self.relayrl_close_group()
         rank = base_rank + int(getattr(self, "rank", 0))
-        self._relayrl_pg = ws.open_group(
+        self._relayrl_pg, self._relayrl_store = ws.open_group_with_store(
             master_addr, master_port, world_size, rank, backend, timeout_s, group_name
         )
         self._relayrl_device = self._relayrl_comm_device(backend)
@@ -73,13 +74,20 @@ class WeightSyncExtension:
         return rank
 
     def relayrl_close_group(self) -> None:
-        pg = getattr(self, "_relayrl_pg", None)
-        self._relayrl_pg = None
-        if pg is not None:
-            try:
-                pg.shutdown()
-            except Exception:  # already broken groups cannot always shut down cleanly
-                logger.debug("weight-sync group shutdown failed", exc_info=True)
+        """Leave the group. One whose push was abandoned may still hold a pending receive: it
+        is dropped in the background (``groupwait.retire``), so this returns at once."""
+        holder = [getattr(self, "_relayrl_pg", None)]
+        self._relayrl_pg = self._relayrl_store = None
+        if holder[0] is None:
+            return
+        try:
+            if getattr(self, "_relayrl_device", torch.device("cpu")).type != "cpu":
+                holder[0].abort()  # NCCL: a receive kernel may still be waiting on the stream
+            else:
+                holder[0].shutdown()
+        except Exception:  # already broken groups cannot always shut down cleanly
+            logger.debug("weight-sync group shutdown failed", exc_info=True)
+        groupwait.retire(holder)
 
     def relayrl_identity(self) -> str:
         """The UUID of this worker's GPU ("" on CPU): the learner's choice of transport needs it."""
@@ -189,10 +197,13 @@ class WeightSyncExtension:
             buf = torch.empty(b.nbytes, dtype=torch.uint8, device=self._relayrl_device)
             return b, buf, pg.broadcast(buf, 0)
 
+        store = self._relayrl_store
         nxt = post(buckets[0]) if buckets else None
         for i in range(len(buckets)):
             b, buf, work = nxt
-            work.wait()
+            nxt = None
+            groupwait.wait_received(work, store)  # stops early if the learner abandoned the push
+            del work
             if i + 1 < len(buckets):
                 nxt = post(buckets[i + 1])
             yield b, buf, None

@@ -6,7 +6,9 @@ bucket's offset) and CUDA buffers shared over IPC (one per bucket). The first si
 IPC, shared memory, group takes the packed bytes; the others get a copy on their own device.
 The broadcast of bucket i runs while bucket i+1 is gathered. A failed broadcast (a generator
 died) does not stop the loop, since the other ranks gather bucket after bucket in step with
-this one; it is reported at the end, training unharmed.
+this one; it is reported at the end, training unharmed. The groups are abandoned at the first
+failure, so the generators still waiting for a bucket stop within a second instead of at the
+group's timeout (minutes), and can join the next group.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
+from relayrl.common import groupwait
 from relayrl.common import weightsync as ws
 from relayrl.common.rpc import Unavailable
 
@@ -27,6 +30,28 @@ class WeightGroup:
     members: dict[str, int]  # replica_id -> first rank
     world_size: int
     device: str = "cpu"  # where its buffers live: "cpu" for gloo, the learner's GPU for NCCL
+
+    store: object = None  # the group's store, hosted by this rank: the abandon mark goes there
+
+    def close(self, abandon: bool = False) -> None:
+        """Leave the group; with ``abandon`` (a push broke) first tell the members still waiting
+        for a bucket to stop (``groupwait``). The group is dropped in the background: pending
+        work makes its destructor wait. NCCL is aborted first."""
+        if abandon and self.store is not None:
+            groupwait.abandon(self.store)
+        pg, self.pg, self.store = self.pg, None, None
+        if pg is None:
+            return
+        try:
+            if self.device != "cpu":
+                pg.abort()
+            else:
+                pg.shutdown()
+        except Exception:  # an already broken group cannot always shut down cleanly
+            pass
+        holder = [pg]
+        del pg
+        groupwait.retire(holder)
 
 
 @dataclass
@@ -76,12 +101,19 @@ def send_buckets(
             sent += b.nbytes
         except RuntimeError as e:
             error = e
+            in_flight = works = []  # pending work holds the group's connections open
+            work = None
+            for g in sinks.groups:
+                g.close(abandon=True)
     if error is None:
         try:
             for work, _ in in_flight:
                 work.wait()
         except RuntimeError as e:
             error = e
+            in_flight, work = [], None
+            for g in sinks.groups:
+                g.close(abandon=True)
     if error is not None:
         raise Unavailable(f"weight broadcast failed after {sent} bytes: {error}")
     return sent, sums

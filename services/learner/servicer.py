@@ -31,6 +31,7 @@ from relayrl.common.rpc import (
     Unavailable,
     bounded,
     map_errors,
+    to_the_end,
 )
 from relayrl.learner import metrics
 from relayrl.learner.core import LearnerCore, check_tag
@@ -102,7 +103,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                     )
                 return await self._collective(fn, *args)
 
-        return await asyncio.shield(asyncio.ensure_future(run()))
+        return await to_the_end(run())
 
     async def _collective(self, fn, *args):
         """Run one collective op; an unexpected failure leaves ranks out of step: stop serving."""
@@ -170,7 +171,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             async with self.lock:  # a group may re-form: never beside a push
                 return await self.sync.register(request.replica_id, request.address)
 
-        transport = await asyncio.shield(asyncio.ensure_future(register()))
+        transport = await to_the_end(register())
         return learner_pb2.RegisterGeneratorResponse(
             replica_ids=self.sync.replica_ids(), policy_version=self.trainer.version, transport=transport
         )
@@ -181,7 +182,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             async with self.lock:
                 await self.sync.unregister(request.replica_id)
 
-        await asyncio.shield(asyncio.ensure_future(unregister()))
+        await to_the_end(unregister())
         return learner_pb2.UnregisterGeneratorResponse(replica_ids=self.sync.replica_ids())
 
     @map_errors
@@ -208,7 +209,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                 )
                 return sent, replicas, time.monotonic() - t0
 
-        sent, replicas, secs = await asyncio.shield(asyncio.ensure_future(push()))
+        sent, replicas, secs = await to_the_end(push())
         if not only:
             metrics.SYNC_SECONDS.observe(secs)
         return learner_pb2.PushWeightsResponse(

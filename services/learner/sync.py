@@ -182,20 +182,20 @@ class WeightSync:
             await self._stub(rid).InitWeightSync(req, timeout=self.timeout_s)
             del buf  # the replica has read it: the answer says so
 
-    async def _close_group(self, backend: str) -> None:
+    async def _close_group(self, backend: str, abandon: bool = False) -> None:
         group = self.groups.pop(backend, None)
         if group is None:
             return
+        # The learner's side first: after a push that broke (``abandon``) the members still
+        # waiting for a bucket stop and can answer CloseWeightSync (they would wait out the
+        # group's timeout otherwise).
+        await asyncio.to_thread(group.close, abandon)
         for rid in group.members:
             if rid in self.addresses:
                 try:
                     await self._stub(rid).CloseWeightSync(g.CloseWeightSyncRequest(), timeout=30)
                 except grpc.RpcError as e:
                     logger.warning("CloseWeightSync on %s failed: %s", rid, _why(e))
-        try:
-            group.pg.shutdown()
-        except Exception:
-            logger.debug("weight group shutdown failed", exc_info=True)
 
     async def _ensure_group(self, backend: str) -> WeightGroup:
         wanted = {r for r, t in self.transports.items() if GROUP_BACKEND.get(t) == backend}
@@ -233,7 +233,9 @@ class WeightSync:
             for r in rids
         ]
         try:
-            pg = await asyncio.to_thread(ws.open_group, self.host, port, nxt, 0, backend, self.timeout_s)
+            pg, store = await asyncio.to_thread(
+                ws.open_group_with_store, self.host, port, nxt, 0, backend, self.timeout_s
+            )
         except Exception as e:
             for c in calls:
                 c.cancel()
@@ -244,7 +246,7 @@ class WeightSync:
             pg.shutdown()
             raise Unavailable(f"generators failed to join the {backend} weight-sync group: " + "; ".join(bad))
         device = self.device if backend == "nccl" else "cpu"
-        self.groups[backend] = WeightGroup(pg=pg, members=ranks, world_size=nxt, device=device)
+        self.groups[backend] = WeightGroup(pg=pg, members=ranks, world_size=nxt, device=device, store=store)
         logger.info("%s weight-sync group formed: %s (world %d)", backend, ranks, nxt)
         return self.groups[backend]
 
@@ -348,7 +350,7 @@ class WeightSync:
             for c in calls.values():
                 c.cancel()
             for backend in list(self.groups):
-                await self._close_group(backend)
+                await self._close_group(backend, abandon=True)
             raise
         calls.update({r: call(r) for r in sorted(requests) if r not in calls})  # IPC: the buffers are filled
         rids = sorted(calls)

@@ -331,6 +331,31 @@ async def test_health_and_status_follow_a_weight_swap(svc):
     assert svc.engine.buckets == [(3, [72])]  # (version, nbytes of each bucket)
 
 
+async def test_a_swap_whose_caller_went_away_still_ends_and_serves_again(svc):
+    """The learner cancels the UpdateWeights calls of a push that broke. A swap cut short there
+    would serve the weights loaded so far under the old version, and stay NOT_SERVING."""
+    svc.engine.gate = asyncio.Event()
+    swap = svc.stub.UpdateWeights(plan(version=3))
+    await until(lambda: svc.engine.swapping)
+    swap.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await swap
+    await asyncio.sleep(0.1)  # the server has seen the cancellation
+    assert svc.engine.swapping and await ready_state(svc) == NOT_SERVING
+    svc.engine.gate.set()
+    await until(lambda: not svc.engine.swapping)
+    await until_async(lambda: ready_state(svc), SERVING)
+    st = await svc.stub.GetStatus(g.GetStatusRequest())
+    assert (st.ready, st.policy_version) == (True, 3) and svc.engine.buckets == [(3, [72])]
+
+
+async def until_async(get, wanted, timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (got := await get()) != wanted:
+        assert time.monotonic() < deadline, f"{got} != {wanted}"
+        await asyncio.sleep(0.01)
+
+
 async def test_refused_swap_is_invalid_argument_and_readiness_returns(svc):
     svc.engine.fail = InvalidRequest("weight plan does not match the model: a")
     err = await error_of(svc.stub.UpdateWeights(plan()))

@@ -185,3 +185,116 @@ def test_waiting_for_a_bucket_never_marked_ends_at_the_deadline():
             ReadyTable(seg, 0, 5)
     finally:
         seg.close()
+
+
+_RECEIVER = """
+import os, sys, time, torch
+from relayrl.common import weightsync as ws
+rank, port, n, size, die = (int(a) for a in sys.argv[1:])
+pg = ws.open_group("127.0.0.1", port, 3, rank, "gloo", timeout_s=120)
+buf = torch.empty(size, dtype=torch.uint8)
+for i in range(n):
+    try:
+        pg.broadcast(buf, 0).wait()
+    except RuntimeError as e:
+        print(f"failed at bucket {i}: {e}", flush=True)
+        pg.shutdown()  # what a generator's worker does next (relayrl_close_group): it lives on
+        del pg
+        print("closed", flush=True)
+        os._exit(3)
+    if die:
+        os._exit(1)  # a generator killed after its first bucket
+print("received all", flush=True)
+"""
+
+
+def test_a_broadcast_that_loses_a_member_frees_the_others_at_once():
+    """A generator dies mid-push: the learner's broadcast fails, and the generators still waiting
+    for the next bucket must stop now, not at the group's timeout (here 120 s; minutes in
+    production), or they stay unable to serve or join the next group that long. Closing the
+    learner's side alone frees them only some of the time (a gloo receive posted before the
+    connection closed can miss it): the abandon mark in the group's store does it every time."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from relayrl.common.rpc import Unavailable
+    from relayrl.learner.push import Sinks, WeightGroup, send_buckets
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    n, size = 6, 4 << 20
+    kids = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RECEIVER, str(r), str(port), str(n), str(size), str(int(r == 2))],
+            stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for r in (1, 2)
+    ]
+    try:
+        pg, store = ws.open_group_with_store("127.0.0.1", port, 3, 0, "gloo", timeout_s=120)
+        group = WeightGroup(pg, {"a": 1, "b": 2}, 3, store=store)
+        del pg, store
+        metas = [ws.TensorMeta(f"w{i}", "uint8", (size,)) for i in range(n)]
+        buckets = ws.plan_buckets(metas, size)
+        assert len(buckets) == n
+
+        def items():
+            for i, b in enumerate(buckets):
+                if i == 1:
+                    kids[1].wait(60)  # the second bucket goes to a dead member
+                yield torch.full((b.nbytes,), i, dtype=torch.uint8)
+
+        with pytest.raises(Unavailable, match="weight broadcast failed"):
+            send_buckets(buckets, items(), Sinks(groups=[group]))
+        t0 = time.monotonic()
+        survivor = kids[0]
+        out, _ = survivor.communicate(timeout=60)
+        assert survivor.returncode == 3 and out.startswith("failed at bucket") and "closed" in out, out
+        assert time.monotonic() - t0 < 10, "the survivor waited for the group's timeout"
+        assert group.pg is None
+    finally:
+        for k in kids:
+            k.kill()
+            k.wait()
+
+
+def test_a_receive_stops_within_a_second_of_the_abandon_mark_and_the_group_still_drops():
+    """The learner's side of ``groupwait``: the sender is alive, its connections open, and sends
+    nothing more; the mark alone ends the receive. The group, its receive still pending, is then
+    dropped in the background without blocking the caller."""
+    import socket
+    import threading
+    import time
+
+    from relayrl.common import groupwait
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    opened: dict = {}
+
+    def join(rank: int) -> None:
+        opened[rank] = ws.open_group_with_store("127.0.0.1", port, 2, rank, "gloo", timeout_s=120)
+
+    t = threading.Thread(target=join, args=(1,))
+    t.start()
+    join(0)
+    t.join(60)
+    (_, learner_store), (pg, store) = opened[0], opened[1]
+    work = pg.broadcast(torch.empty(8, dtype=torch.uint8), 0)
+    assert not groupwait.abandoned(store)
+    threading.Timer(0.5, groupwait.abandon, args=(learner_store,)).start()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="abandoned"):
+        groupwait.wait_received(work, store, check_every_s=0.2)
+    assert 0.4 < time.monotonic() - t0 < 5
+    del work
+    holder = [pg]
+    del pg, opened[1]
+    t0 = time.monotonic()
+    groupwait.retire(holder)
+    assert time.monotonic() - t0 < 1  # its destructor waits for the pending receive: not here

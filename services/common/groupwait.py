@@ -9,12 +9,11 @@ group's store (which it hosts), and receivers wait for each bucket in short slic
 that mark, or whether the store itself is gone, between them.
 
 A group with work still pending cannot be dropped on the spot either: its destructor waits for
-that work. ``retire`` drops it in a thread of its own.
+that work, holding the GIL. ``retire`` keeps it until the group's timeout has passed.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 
@@ -54,17 +53,16 @@ def wait_received(work, store, check_every_s: float = CHECK_EVERY_S) -> None:
     work.wait()  # raises the receive's own error, if it failed
 
 
-def retire(holder: list, settle_s: float = 5.0) -> None:
-    """Drop the group in ``holder`` (a one-item list that holds the caller's last reference) in a
-    background thread: its destructor may wait for pending work up to the group's timeout. The
-    thread lets the caller's frame go first (at most ``settle_s``), so the drop happens there."""
+def retire(holder: list, after_s: float) -> None:
+    """Drop the group in ``holder`` (a one-item list that holds the caller's last reference)
+    ``after_s`` seconds from now, in a background thread. A group destroyed with work pending
+    waits for that work in its destructor, holding the GIL: the whole process would freeze until
+    the group's timeout. Past that timeout the pending work has failed and the drop is quick."""
     if not holder:
         return
 
     def drop() -> None:
-        deadline = time.monotonic() + settle_s
-        while sys.getrefcount(holder[0]) > 2 and time.monotonic() < deadline:  # 2: list + argument
-            time.sleep(0.01)
+        time.sleep(after_s)
         holder.clear()
 
     threading.Thread(target=drop, name="relayrl-retire-group", daemon=True).start()

@@ -70,12 +70,13 @@ class WeightSyncExtension:
             master_addr, master_port, world_size, rank, backend, timeout_s, group_name
         )
         self._relayrl_device = self._relayrl_comm_device(backend)
+        self._relayrl_timeout = timeout_s
         logger.info("joined weight-sync group %s as rank %d/%d (%s)", group_name, rank, world_size, backend)
         return rank
 
     def relayrl_close_group(self) -> None:
         """Leave the group. One whose push was abandoned may still hold a pending receive: it
-        is dropped in the background (``groupwait.retire``), so this returns at once."""
+        is dropped once the group's timeout has passed (``groupwait.retire``), so this returns at once."""
         holder = [getattr(self, "_relayrl_pg", None)]
         self._relayrl_pg = self._relayrl_store = None
         if holder[0] is None:
@@ -87,7 +88,7 @@ class WeightSyncExtension:
                 holder[0].shutdown()
         except Exception:  # already broken groups cannot always shut down cleanly
             logger.debug("weight-sync group shutdown failed", exc_info=True)
-        groupwait.retire(holder)
+        groupwait.retire(holder, getattr(self, "_relayrl_timeout", 300.0) + 5)
 
     def relayrl_identity(self) -> str:
         """The UUID of this worker's GPU ("" on CPU): the learner's choice of transport needs it."""
@@ -183,8 +184,11 @@ class WeightSyncExtension:
             # Resolve the device now: during a layerwise reload the model's parameters sit on
             # the meta device, so asking them inside the iterator would give "meta".
             device = self._relayrl_model_device()
+            self._relayrl_failure = None
             self.reload_weights(weights_iterator=self._relayrl_stream(sources, device))
             self._relayrl_refresh_tied()
+            if self._relayrl_failure is not None:
+                raise self._relayrl_failure
         return sum(b.nbytes for b in buckets), self._relayrl_checksums
 
     def _relayrl_buffers(
@@ -209,8 +213,21 @@ class WeightSyncExtension:
             yield b, buf, None
 
     def _relayrl_stream(self, sources, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors of ``sources`` for vLLM's reload. It never raises into the reload: an
+        error there leaves the layers it had started without their loaders, and every later
+        reload fails (measured: a push abandoned after two buckets bricked the replica). So a
+        failure ends the stream early and is kept in ``_relayrl_failure``; ``_relayrl_take``
+        raises it once the reload has closed."""
         bad = None
-        for b, buf, known in sources:
+        it = iter(sources)
+        while True:
+            try:
+                b, buf, known = next(it)
+            except StopIteration:
+                break
+            except Exception as e:  # a receive failed (push abandoned, connection lost)
+                self._relayrl_failure = RuntimeError(f"weights stopped arriving: {e}")
+                return
             self._relayrl_checksums.append(ws.checksum(buf) if known is None else known)
             if bad is not None:
                 continue  # drain the rest: the sender must not be left blocked mid-broadcast
@@ -220,7 +237,7 @@ class WeightSyncExtension:
         if bad is not None:
             # Loading stopped at that bucket; the engine marks the replica unready rather than
             # serve a policy that is part old, part garbage.
-            raise ValueError(f"{bad}: received NaN or infinite values")
+            self._relayrl_failure = ValueError(f"{bad}: received NaN or infinite values")
 
     def relayrl_load_bytes(self, items: list[tuple[str, str, list[int], bytes]]) -> int:
         """Load tensors sent as raw bytes (the gRPC fallback path). Returns the bytes loaded."""

@@ -32,11 +32,12 @@ class WeightGroup:
     device: str = "cpu"  # where its buffers live: "cpu" for gloo, the learner's GPU for NCCL
 
     store: object = None  # the group's store, hosted by this rank: the abandon mark goes there
+    timeout_s: float = 300.0  # the group's own timeout: how long pending work may last
 
     def close(self, abandon: bool = False) -> None:
         """Leave the group; with ``abandon`` (a push broke) first tell the members still waiting
-        for a bucket to stop (``groupwait``). The group is dropped in the background: pending
-        work makes its destructor wait. NCCL is aborted first."""
+        for a bucket to stop (``groupwait``). The group itself is dropped once its timeout has
+        passed (``groupwait.retire``: pending work would freeze the process). NCCL is aborted."""
         if abandon and self.store is not None:
             groupwait.abandon(self.store)
         pg, self.pg, self.store = self.pg, None, None
@@ -51,7 +52,7 @@ class WeightGroup:
             pass
         holder = [pg]
         del pg
-        groupwait.retire(holder)
+        groupwait.retire(holder, self.timeout_s + 5)
 
 
 @dataclass

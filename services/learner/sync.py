@@ -246,7 +246,9 @@ class WeightSync:
             pg.shutdown()
             raise Unavailable(f"generators failed to join the {backend} weight-sync group: " + "; ".join(bad))
         device = self.device if backend == "nccl" else "cpu"
-        self.groups[backend] = WeightGroup(pg=pg, members=ranks, world_size=nxt, device=device, store=store)
+        self.groups[backend] = WeightGroup(
+            pg=pg, members=ranks, world_size=nxt, device=device, store=store, timeout_s=self.timeout_s
+        )
         logger.info("%s weight-sync group formed: %s (world %d)", backend, ranks, nxt)
         return self.groups[backend]
 

@@ -231,6 +231,62 @@ def test_a_killed_generator_replica_loses_no_prompt(workspace):
     assert all(r["synced_replicas"] == r["healthy_generators"] for r in steps if r["train_samples"])
 
 
+def test_a_generator_killed_while_the_learner_trains_costs_one_push_not_the_other_replica(
+    workspace, monkeypatch, caplog
+):
+    """A generator dies after its last samples, before the push (an OOM kill while the learner
+    trains): the learner's broadcast to the gloo group that still holds it fails. The other
+    replica, already waiting for the first bucket, must stop within a second (the learner
+    marks the push abandoned), not at the group's timeout (minutes): the push is retried without
+    the dead one and the run goes on at full speed with one replica."""
+    from relayrl.coordinator.clients import LearnerClient
+
+    box: dict = {}
+    train_step = LearnerClient.train_step
+
+    async def killing_train_step(self, run_id, step, samples):
+        if step == 3 and "killed" not in box:
+            proc = next(p for p in box["services"].procs if p.name == "gen-1")
+            proc.kill()
+            proc.proc.wait(30)
+            box["killed"] = step
+        return await train_step(self, run_id, step, samples)
+
+    monkeypatch.setattr(LearnerClient, "train_step", killing_train_step)
+    root, exp = workspace
+    cfg, run_dir, services, go = _programmatic(
+        root,
+        exp,
+        [
+            "schedule.steps=5",
+            "schedule.eval_every=0",
+            "schedule.max_staleness=0",  # nothing generates while the learner trains
+            "services.generator_replicas=2",
+            "learner.world_size=1",
+            "learner.weight_sync_transport=gloo",
+            "name=killed-in-training",
+        ],
+        lambda services: None,
+    )
+    box["services"] = services
+    caplog.set_level("INFO", logger="relayrl.coordinator")
+    try:
+        exp_done = go()
+        status = asyncio.run(_generator_status(services.generators["gen-0"]))
+    finally:
+        services.stop()
+    steps = [r for r in exp_done.records if "reward_mean" in r]
+    assert box.get("killed") == 3 and len(steps) == 5
+    assert all(r["groups"] == 16 for r in steps)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("weight push of version 3 failed" in m for m in messages), messages
+    third = steps[2]
+    assert (third["synced_replicas"], third["healthy_generators"]) == (1, 1), third
+    # the retry found the survivor free at once (stuck, it would have taken minutes)
+    assert third["time_sync"] < 30, [r["time_sync"] for r in steps]
+    assert (status.ready, status.policy_version) == (True, 5)
+
+
 @pytest.mark.parametrize(
     "replicas, transport",
     [(1, "auto"), (2, "gloo")],

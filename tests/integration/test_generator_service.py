@@ -113,7 +113,7 @@ class Learner:
             ),
             timeout=60,
         )
-        self.pg = ws.open_group("127.0.0.1", port, 2, 0, "gloo", timeout_s=60)
+        self.pg, self.store = ws.open_group_with_store("127.0.0.1", port, 2, 0, "gloo", timeout_s=60)
         self.joined = fut.result()
 
     def push(self, version: int, tensors: dict, bucket_bytes: int = 256 << 10, shapes: dict | None = None):
@@ -602,6 +602,50 @@ def test_non_finite_broadcast_leaves_the_replica_unready_until_a_complete_load(s
     model.load_state_dict(good, strict=False)
     for s in _greedy(stub, 16).values():
         assert list(s.completion_token_ids) == _hf_greedy(model, list(s.prompt_token_ids), 16)
+
+
+def test_a_push_abandoned_half_way_frees_the_replica_at_once_and_a_new_group_restores_it(server, hf):
+    """The learner lost another member mid-push: it sent two buckets of many, then marks the push
+    abandoned. This replica, waiting for the third inside vLLM's layerwise reload, stops within
+    seconds (not at the group's timeout), serves nothing (its weights are part old, part new),
+    leaves the group at once, and a complete push over a new group makes it serve again."""
+    from relayrl.common import groupwait
+
+    stub, _, _ = server
+    tok, model = hf
+    stub.CloseWeightSync(g.CloseWeightSyncRequest(), timeout=60)
+    server_learner["l"].pg = None
+    learner = Learner(stub)
+    v = _version(stub)
+    new = _perturbed(model, seed=12)
+    metas = [ws.TensorMeta(n, ws.dtype_name(t.dtype), tuple(t.shape)) for n, t in new.items()]
+    buckets = ws.plan_buckets(metas, 256 << 10)
+    assert len(buckets) > 3
+    fut = learner.pool.submit(
+        stub.UpdateWeights, g.UpdateWeightsRequest(version=v + 1, plan=plan_to_proto(buckets)), timeout=120
+    )
+    for b in buckets[:2]:
+        ws.broadcast(learner.pg, ws.pack(b, [new[m.name].reshape(m.shape) for m in b.tensors]))
+    t0 = time.monotonic()
+    groupwait.abandon(learner.store)
+    with pytest.raises(grpc.RpcError) as e:
+        fut.result(timeout=60)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "abandoned" in e.value.details()
+    assert time.monotonic() - t0 < 15  # the group's timeout is 60 s
+    st = stub.GetStatus(g.GetStatusRequest(), timeout=5)
+    assert not st.ready and st.policy_version == v
+    t0 = time.monotonic()
+    stub.CloseWeightSync(g.CloseWeightSyncRequest(), timeout=60)  # a receive is still pending in it
+    assert time.monotonic() - t0 < 15
+    learner.pg = None
+    learner = Learner(stub)
+    good = _perturbed(model, seed=13)
+    resp, _ = learner.push(v + 2, good)
+    assert resp.version == v + 2 and stub.GetStatus(g.GetStatusRequest(), timeout=5).ready
+    model.load_state_dict(good, strict=False)
+    for s in _greedy(stub, 16).values():
+        assert list(s.completion_token_ids) == _hf_greedy(model, list(s.prompt_token_ids), 16)
+    server_learner["l"] = learner
 
 
 def test_sigterm_drains_and_exits(server):

@@ -188,17 +188,19 @@ def test_waiting_for_a_bucket_never_marked_ends_at_the_deadline():
 
 
 _RECEIVER = """
-import os, sys, time, torch
+import os, sys, torch
+from relayrl.common import groupwait
 from relayrl.common import weightsync as ws
 rank, port, n, size, die = (int(a) for a in sys.argv[1:])
-pg = ws.open_group("127.0.0.1", port, 3, rank, "gloo", timeout_s=120)
+pg, store = ws.open_group_with_store("127.0.0.1", port, 3, rank, "gloo", timeout_s=120)
 buf = torch.empty(size, dtype=torch.uint8)
 for i in range(n):
     try:
-        pg.broadcast(buf, 0).wait()
+        groupwait.wait_received(pg.broadcast(buf, 0), store)  # as a generator's worker receives
     except RuntimeError as e:
         print(f"failed at bucket {i}: {e}", flush=True)
-        pg.shutdown()  # what a generator's worker does next (relayrl_close_group): it lives on
+        pg.shutdown()  # what the worker does next (relayrl_close_group): it lives on
+        groupwait.retire([pg], 125)
         del pg
         print("closed", flush=True)
         os._exit(3)
@@ -262,10 +264,9 @@ def test_a_broadcast_that_loses_a_member_frees_the_others_at_once():
             k.wait()
 
 
-def test_a_receive_stops_within_a_second_of_the_abandon_mark_and_the_group_still_drops():
+def test_a_receive_stops_within_a_second_of_the_abandon_mark():
     """The learner's side of ``groupwait``: the sender is alive, its connections open, and sends
-    nothing more; the mark alone ends the receive. The group, its receive still pending, is then
-    dropped in the background without blocking the caller."""
+    nothing more; the mark alone ends the receive."""
     import socket
     import threading
     import time
@@ -278,7 +279,7 @@ def test_a_receive_stops_within_a_second_of_the_abandon_mark_and_the_group_still
     opened: dict = {}
 
     def join(rank: int) -> None:
-        opened[rank] = ws.open_group_with_store("127.0.0.1", port, 2, rank, "gloo", timeout_s=120)
+        opened[rank] = ws.open_group_with_store("127.0.0.1", port, 2, rank, "gloo", timeout_s=10)
 
     t = threading.Thread(target=join, args=(1,))
     t.start()
@@ -292,9 +293,19 @@ def test_a_receive_stops_within_a_second_of_the_abandon_mark_and_the_group_still
     with pytest.raises(RuntimeError, match="abandoned"):
         groupwait.wait_received(work, store, check_every_s=0.2)
     assert 0.4 < time.monotonic() - t0 < 5
-    del work
+    # Dropped now, the group would wait for the pending receive (holding the GIL): retired.
     holder = [pg]
-    del pg, opened[1]
-    t0 = time.monotonic()
-    groupwait.retire(holder)
-    assert time.monotonic() - t0 < 1  # its destructor waits for the pending receive: not here
+    del pg, work, opened[1]
+    groupwait.retire(holder, after_s=11)
+
+
+def test_a_retired_group_is_dropped_after_the_delay_and_not_before():
+    import time
+
+    from relayrl.common import groupwait
+
+    holder = [object()]
+    groupwait.retire(holder, after_s=0.3)
+    assert holder
+    time.sleep(1.0)
+    assert not holder

@@ -30,7 +30,6 @@ class WeightGroup:
     members: dict[str, int]  # replica_id -> first rank
     world_size: int
     device: str = "cpu"  # where its buffers live: "cpu" for gloo, the learner's GPU for NCCL
-
     store: object = None  # the group's store, hosted by this rank: the abandon mark goes there
     timeout_s: float = 300.0  # the group's own timeout: how long pending work may last
 
@@ -102,8 +101,6 @@ def send_buckets(
             sent += b.nbytes
         except RuntimeError as e:
             error = e
-            in_flight = works = []  # pending work holds the group's connections open
-            work = None
             for g in sinks.groups:
                 g.close(abandon=True)
     if error is None:
@@ -112,7 +109,6 @@ def send_buckets(
                 work.wait()
         except RuntimeError as e:
             error = e
-            in_flight, work = [], None
             for g in sinks.groups:
                 g.close(abandon=True)
     if error is not None:

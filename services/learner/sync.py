@@ -7,7 +7,9 @@ shared-memory or IPC transport has the replica open a probe the learner made. A 
 cannot work is refused there with the reason (after trying the next one down in auto mode:
 IPC -> shared memory, shared memory -> gloo), never at a push.
 
-A push: every group is formed with exactly its members; group members get
+A push: every replica is asked its version (one that holds the pushed version already only
+drains a broadcast: an earlier push that failed may have reached it), every group is formed with
+exactly its members; group members get
 ``UpdateWeights(version, plan)``, shared-memory members ``UpdateWeights`` naming the segment and
 its ready table, and the collective gather + send runs (``push.send_buckets``: broadcasts, the
 bytes written into the segment and marked ready bucket by bucket, and into the IPC buffers);
@@ -252,6 +254,20 @@ class WeightSync:
         logger.info("%s weight-sync group formed: %s (world %d)", backend, ranks, nxt)
         return self.groups[backend]
 
+    async def _refresh_versions(self) -> None:
+        """Each replica's version as it says now. A push that failed may still have reached some
+        (a broadcast completes on one member before it fails on another, and their answers are
+        cancelled), and a restarted replica holds its initial weights: what was recorded at the
+        last push is not enough to tell who must load and who must only drain. An unreachable
+        replica keeps its record (the push fails on it anyway)."""
+        rids = sorted(self.addresses)
+        statuses = await asyncio.gather(
+            *(self._stub(r).GetStatus(g.GetStatusRequest(), timeout=30) for r in rids), return_exceptions=True
+        )
+        for r, st in zip(rids, statuses, strict=True):
+            if not isinstance(st, BaseException):
+                self.versions[r] = st.policy_version
+
     # -- staging -----------------------------------------------------------------------------
     def _shm_staging(self, buckets: list[ws.Bucket]) -> tuple[Segment, tuple[int, ...], ReadyTable]:
         """The staging segment: the ready table at offset 0, then the buckets."""
@@ -292,6 +308,7 @@ class WeightSync:
     ) -> tuple[int, list[str]]:
         if not self.addresses:
             return 0, []
+        await self._refresh_versions()
         if not transport_only and all(self.versions.get(r) == version for r in self.addresses):
             return 0, sorted(self.addresses)  # all current: idempotent by version
         for backend in sorted({GROUP_BACKEND[t] for t in self.transports.values() if t in GROUP_BACKEND}):

@@ -66,3 +66,16 @@ def retire(holder: list, after_s: float) -> None:
         holder.clear()
 
     threading.Thread(target=drop, name="relayrl-retire-group", daemon=True).start()
+
+
+def release(holder: list, on_gpu: bool, after_s: float) -> None:
+    """Leave the group in ``holder`` (see ``retire``): NCCL is aborted (a kernel may still wait
+    on the stream), gloo shut down, then the group is retired."""
+    try:
+        if on_gpu:
+            holder[0].abort()
+        else:
+            holder[0].shutdown()
+    except Exception:  # an already broken group cannot always shut down cleanly
+        pass
+    retire(holder, after_s)

@@ -79,16 +79,9 @@ class WeightSyncExtension:
         is dropped once the group's timeout has passed (``groupwait.retire``), so this returns at once."""
         holder = [getattr(self, "_relayrl_pg", None)]
         self._relayrl_pg = self._relayrl_store = None
-        if holder[0] is None:
-            return
-        try:
-            if getattr(self, "_relayrl_device", torch.device("cpu")).type != "cpu":
-                holder[0].abort()  # NCCL: a receive kernel may still be waiting on the stream
-            else:
-                holder[0].shutdown()
-        except Exception:  # already broken groups cannot always shut down cleanly
-            logger.debug("weight-sync group shutdown failed", exc_info=True)
-        groupwait.retire(holder, getattr(self, "_relayrl_timeout", 300.0) + 5)
+        if holder[0] is not None:
+            on_gpu = getattr(self, "_relayrl_device", torch.device("cpu")).type != "cpu"
+            groupwait.release(holder, on_gpu, getattr(self, "_relayrl_timeout", 300.0) + 5)
 
     def relayrl_identity(self) -> str:
         """The UUID of this worker's GPU ("" on CPU): the learner's choice of transport needs it."""

@@ -39,19 +39,9 @@ class WeightGroup:
         passed (``groupwait.retire``: pending work would freeze the process). NCCL is aborted."""
         if abandon and self.store is not None:
             groupwait.abandon(self.store)
-        pg, self.pg, self.store = self.pg, None, None
-        if pg is None:
-            return
-        try:
-            if self.device != "cpu":
-                pg.abort()
-            else:
-                pg.shutdown()
-        except Exception:  # an already broken group cannot always shut down cleanly
-            pass
-        holder = [pg]
-        del pg
-        groupwait.retire(holder, self.timeout_s + 5)
+        holder, self.pg, self.store = [self.pg], None, None
+        if holder[0] is not None:
+            groupwait.release(holder, self.device != "cpu", self.timeout_s + 5)
 
 
 @dataclass

@@ -261,8 +261,12 @@ class ExperimentConfig(StrictModel):
 
     name: str = Field("experiment", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
     """Run name; run folders are ``<runs_dir>/<name>-<timestamp>``."""
-    seed: int = 0
-    """Seed of data order and sampling."""
+    seed: int = Field(0, ge=0, lt=2**63)
+    """Seed of data order and sampling: every generation request carries it, and each prompt's
+    samples are drawn from a stream of its own derived from it and the prompt's id (generator
+    ``SamplingParams.seed``). With ``schedule.max_staleness`` 0 a resumed run therefore continues
+    exactly as the uninterrupted one would; held-out prompts get the same streams at every
+    evaluation, so two evaluations differ by the weights, not by the draw."""
     runs_dir: str = "runs"
     """Where run folders go."""
     model: ModelSection

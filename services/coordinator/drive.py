@@ -11,7 +11,7 @@ from pathlib import Path
 from relayrl.coordinator.clients import GeneratorPool, LearnerClient, RewardPool
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.loop import Experiment
-from relayrl.coordinator.runfolder import load_records
+from relayrl.coordinator.runfolder import rewind_records
 from relayrl.coordinator.service_set import ServiceSet
 from relayrl.coordinator.trackers import Trackers
 
@@ -56,7 +56,10 @@ async def drive(
         wait_s=wait_s,
     )
     rewards = RewardPool(services.rewards, deadline, security=security, wait_s=wait_s)
-    trackers = Trackers(cfg.tracking, run_dir, cfg.model_dump(mode="json"))
+    state = json.loads((run_dir / "checkpoints" / "coordinator.json").read_text()) if resume else None
+    trackers = Trackers(
+        cfg.tracking, run_dir, cfg.model_dump(mode="json"), resume_step=state["step"] if state else None
+    )
 
     def record(rec: dict) -> None:
         trackers.log(rec)
@@ -69,9 +72,8 @@ async def drive(
     try:
         for name, addr in services.generators.items():
             await learner.register_generator(name, addr)
-        if resume:
-            state = json.loads((run_dir / "checkpoints" / "coordinator.json").read_text())
-            await exp.resume(state["tag"], load_records(run_dir))
+        if state is not None:
+            await exp.resume(state["tag"], rewind_records(run_dir, state["step"]))
             print(f"resumed {run_dir.name} at step {exp.pos.step} (policy version {exp.version})", flush=True)
         await exp.run()
     finally:

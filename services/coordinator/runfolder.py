@@ -37,3 +37,28 @@ def load_records(run_dir: Path) -> list[dict]:
     return (
         [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     )
+
+
+def rewind_records(run_dir: Path, step: int) -> list[dict]:
+    """The records of ``run_dir`` up to ``step`` (the checkpoint a resume starts from). A run
+    that went on past its last checkpoint before it stopped (a crash) recorded steps that the
+    resume does again: those move to ``metrics.rewound.jsonl`` (appended, nothing is lost), so
+    ``metrics.jsonl`` and the curves hold each step once, from the run that continued.
+
+    >>> import tempfile; d = Path(tempfile.mkdtemp())
+    >>> _ = (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i}) + "\\n" for i in range(4)))
+    >>> [r["step"] for r in rewind_records(d, 2)], [r["step"] for r in load_records(d)]
+    ([0, 1, 2], [0, 1, 2])
+    >>> (d / "metrics.rewound.jsonl").read_text()
+    '{"step": 3}\\n'
+    """
+    records = load_records(run_dir)
+    kept = [r for r in records if r.get("step", 0) <= step]
+    later = [r for r in records if r.get("step", 0) > step]
+    if later:
+        with open(run_dir / "metrics.rewound.jsonl", "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in later)
+        tmp = run_dir / "metrics.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(run_dir / "metrics.jsonl")  # atomic: a crash now leaves one file or the other
+    return kept

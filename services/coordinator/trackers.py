@@ -3,8 +3,10 @@ TensorBoard scalars in the run folder and/or a Weights & Biases run. Off by defa
 written or sent anywhere unless the experiment turns it on.
 
 Records are what ``metrics.jsonl`` holds (one per step, plus the step-0 evaluation); a resumed run
-appends to the same TensorBoard folder (a new event file, read together) and continues the same
-W&B run (its id is the run folder's name)."""
+appends to the same TensorBoard folder (a new event file, read together; steps after the
+checkpoint that a crashed run had logged are purged, as they are from ``metrics.jsonl``) and
+continues the same W&B run (its id is the run folder's name; W&B keeps the first value it got
+for a step, and says so, when a resume logs that step again)."""
 
 from __future__ import annotations
 
@@ -46,14 +48,21 @@ def scalars(record: dict) -> dict[str, float]:
 
 
 class Trackers:
-    def __init__(self, t: TrackingSection, run_dir: Path, config: dict | None = None):
+    def __init__(
+        self, t: TrackingSection, run_dir: Path, config: dict | None = None, resume_step: int | None = None
+    ):
+        """``resume_step``: the checkpoint's step when the run resumes (later steps are logged anew)."""
         self.tb = self.wandb = None
         if t.tensorboard:
             from tensorboardX import SummaryWriter
 
             # Event files are named by the second they start in: a run resumed within the same
             # second would overwrite the earlier file without a suffix of its own.
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"), filename_suffix=f".{time.time_ns()}")
+            self.tb = SummaryWriter(
+                str(run_dir / "tensorboard"),
+                filename_suffix=f".{time.time_ns()}",
+                purge_step=None if resume_step is None else resume_step + 1,
+            )
         if t.wandb is not None:
             import wandb
 

@@ -30,6 +30,7 @@ from relayrl.generator.engine import (
     SamplingSpec,
     SyncSpec,
     checkpoint_tensors,
+    prompt_seed,
 )
 
 logger = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ class VLLMEngine:
         if bad is not None:
             raise InvalidRequest(f"sampling.stop_token_ids: {bad} is outside the vocabulary")
         try:
-            self._vllm_params(spec, 1, spec.n)
+            self._vllm_params(spec, PromptIn("check", (0,)), spec.n)
         except (ValueError, VLLMClientError) as e:
             raise InvalidRequest(f"sampling: {e}") from None
 
@@ -164,14 +165,16 @@ class VLLMEngine:
     def _limit(self, spec: SamplingSpec, prompt_len: int) -> int:
         return spec.max_tokens or (self.max_model_len - prompt_len)
 
-    def _vllm_params(self, spec: SamplingSpec, prompt_len: int, n: int, resumed: Partial | None = None):
-        """vLLM's parameters for a request of ``n`` samples; a continuation of sample ``resumed``
-        asks for the rest of its tokens, with a seed of its own."""
+    def _vllm_params(self, spec: SamplingSpec, prompt: PromptIn, n: int, resumed: Partial | None = None):
+        """vLLM's parameters for a request of ``n`` samples of ``prompt``; a continuation of
+        sample ``resumed`` asks for the rest of its tokens, with a seed of its own. vLLM gives
+        the n samples of a seeded request seeds ``seed + index``."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        prompt_len = len(prompt.token_ids)
         done = len(resumed.token_ids) if resumed else 0
-        seed = spec.seed
+        seed = None if spec.seed is None else prompt_seed(spec.seed, prompt.prompt_id)
         if seed is not None and resumed is not None:
             # Deterministic for a given seed and swap point, distinct per sample: the n samples of
             # a seeded request must not continue as n copies of one.
@@ -267,7 +270,7 @@ class VLLMEngine:
             if not self.ready:
                 raise Unavailable("engine is not ready (a weight load failed)")
             version = self.version  # cannot change until this request has ended
-            params = self._vllm_params(spec, len(prompt.token_ids), len(parts), one)
+            params = self._vllm_params(spec, prompt, len(parts), one)
             collector = await self._llm.add_request(rid, TokensPrompt(prompt_token_ids=ids), params)
         boundary = len(one.token_ids) if one else 0
         open_ = {p.index: p for p in parts}

@@ -383,7 +383,11 @@ async def _generator_status(address: str):
         )
 
 
-def test_a_learner_crash_stops_the_run_with_a_resumable_checkpoint(workspace):
+def test_a_learner_crash_stops_the_run_and_its_resume_continues_identically(workspace):
+    """The learner dies after step 3, its last checkpoint at step 2. The resume starts at step 2
+    and does step 3 again: with sampling seeded and no staleness it must be the very step the
+    crashed run did (same samples, rewards and loss), and the run folder keeps each step once
+    (the crashed run's step 3 moves to ``metrics.rewound.jsonl``)."""
     root, exp = workspace
 
     def on_record(services):
@@ -400,6 +404,7 @@ def test_a_learner_crash_stops_the_run_with_a_resumable_checkpoint(workspace):
             "schedule.steps=8",
             "schedule.eval_every=0",
             "schedule.checkpoint_every=2",
+            "schedule.max_staleness=0",
             "learner.world_size=1",
             "services.deadline_seconds=30",
             "name=fault-learner",
@@ -414,6 +419,22 @@ def test_a_learner_crash_stops_the_run_with_a_resumable_checkpoint(workspace):
     assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     state = json.loads((run_dir / "checkpoints" / "coordinator.json").read_text())
     assert state["tag"] == "step2" and (run_dir / "checkpoints" / "step2").is_dir()
+    crashed = {r["step"]: r for r in _records(run_dir) if "reward_mean" in r}
+    assert sorted(crashed) == [1, 2, 3]
+
+    res = _relayrl("run", "--resume", str(run_dir), *_sets("schedule.steps=4"), cwd=root)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"resumed {run_dir.name} at step 2" in res.stdout
+    steps = {r["step"]: r for r in _records(run_dir) if "reward_mean" in r}
+    assert sorted(steps) == [1, 2, 3, 4]  # each step once
+    rewound = [json.loads(line) for line in (run_dir / "metrics.rewound.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rewound] == [3] and rewound[0]["time"] == crashed[3]["time"]
+    again, before = steps[3], crashed[3]
+    assert again["time"] > before["time"]  # done again, not kept
+    for key in ("reward_mean", "completion_len_mean", "completion_len_max", "train_samples"):
+        assert again[key] == before[key], (key, again[key], before[key])
+    assert again["loss"] == pytest.approx(before["loss"], rel=1e-4, abs=1e-6)
+    assert steps[4]["policy_version"] > steps[3]["policy_version"]
 
 
 def _long_run(root: Path, exp: Path, name: str, logname: str):

@@ -204,6 +204,34 @@ def test_sampled_logprobs_match_transformers(server, hf):
         assert torch.allclose(torch.tensor(list(s.logprobs)), ref, atol=1e-4)
 
 
+def test_a_seeded_prompt_gets_the_same_samples_wherever_it_rides_and_its_own_stream(server):
+    """The coordinator seeds every request: a prompt's samples depend on the seed and its id,
+    not on the request carrying it (alone, or beside others after a re-issue), and two prompts of
+    one seeded request, even with the same text, do not share a random stream."""
+    stub, _, _ = server
+    sampling = g.SamplingParams(n=3, max_tokens=12, seed=5, ignore_eos=True)
+
+    def run(*prompts):
+        req = g.GenerateRequest(prompts=list(prompts), sampling=sampling)
+        got: dict = {}
+        for r in stub.Generate(req, timeout=60):
+            for smp in r.samples:
+                got.setdefault(smp.prompt_id, {})[smp.sample_index] = tuple(smp.completion_token_ids)
+        return {pid: [v[i] for i in sorted(v)] for pid, v in got.items()}
+
+    together = run(_prompt(0, PROMPTS[0]), _prompt(1, PROMPTS[0]), _prompt(2, PROMPTS[1]))
+    alone = run(_prompt(1, PROMPTS[0]))
+    assert alone["p1"] == together["p1"]
+    assert together["p0"] != together["p1"]  # same text, another id: another stream
+    assert len(set(together["p0"])) == 3  # the n samples are not n copies
+    reseeded = g.GenerateRequest(prompts=[_prompt(1, PROMPTS[0])], sampling=sampling)
+    reseeded.sampling.seed = 6
+    other = [
+        tuple(smp.completion_token_ids) for r in stub.Generate(reseeded, timeout=60) for smp in r.samples
+    ]
+    assert sorted(other) != sorted(alone["p1"])
+
+
 def test_samples_stream_as_they_finish(server):
     """With max_tokens 0 (up to the context), a near-full prompt finishes after a few tokens and
     a short one after ~1000: the first sample must arrive long before the second."""

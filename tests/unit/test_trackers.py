@@ -50,6 +50,23 @@ def test_tensorboard_event_files_hold_every_scalar_per_step(tmp_path):
     assert [e.wall_time for e in ea.Scalars("loss")] == [2.0, 3.0]
 
 
+def test_a_resume_from_an_earlier_checkpoint_replaces_the_steps_logged_after_it(tmp_path):
+    """A run that crashed at step 2 with its checkpoint at step 1 resumes there: TensorBoard
+    shows steps 2 and 3 of the continued run only, not the crashed run's step 2 beside them."""
+    pytest.importorskip("tensorboardX")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _log(TrackingSection(tensorboard=True), tmp_path)
+    trackers = Trackers(TrackingSection(tensorboard=True), tmp_path, resume_step=1)
+    for r in ({"step": 2, "time": 5.0, "reward_mean": 0.6}, {"step": 3, "time": 6.0, "reward_mean": 0.9}):
+        trackers.log(r)
+    trackers.close()
+    ea = EventAccumulator(str(tmp_path / "tensorboard"))
+    ea.Reload()
+    assert [(e.step, round(e.value, 6)) for e in ea.Scalars("reward_mean")] == [(1, 0.5), (2, 0.6), (3, 0.9)]
+    assert [e.step for e in ea.Scalars("loss")] == [1]  # the crashed run's step 2 is gone
+
+
 def read_wandb_history(path: Path) -> tuple[list[tuple[int, dict]], bool]:
     """(step, values) of every history record of a ``.wandb`` file: wandb's protobuf ``Record``s
     in the LevelDB log format (32 KiB blocks, 7-byte chunk headers: crc, length, type) after a

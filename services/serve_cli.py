@@ -151,7 +151,9 @@ def run(args: argparse.Namespace) -> int:
         eager_without_compiler()
         from relayrl.generator.server import run as serve
 
-        asyncio.run(serve(config, args.port_file))
+        died = asyncio.run(serve(config, args.port_file))
+        if died:
+            raise SystemExit(f"{died}: exiting with status 1 to be restarted")
     elif args.service == "learner":
         return launch_learner(config, args)
     elif args.service == "reward":

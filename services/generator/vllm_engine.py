@@ -34,6 +34,7 @@ from relayrl.generator.engine import (
 )
 
 logger = logging.getLogger(__name__)
+SHUTDOWN_CLOSE_S = 5.0  # at shutdown, leaving the weight-sync group takes milliseconds or never ends
 
 
 @dataclass
@@ -109,7 +110,13 @@ class VLLMEngine:
     async def shutdown(self) -> None:
         if self._llm is not None:
             if self._sync is not None:
-                await self.close_weight_sync()
+                # A SIGTERM to the process group reaches vLLM's EngineCore process as well: it may
+                # be gone already, and a collective RPC to a dead core never answers (the process
+                # hung until its supervisor's SIGKILL, 75 s in the launcher). Bounded, then on.
+                try:
+                    await asyncio.wait_for(self.close_weight_sync(), SHUTDOWN_CLOSE_S)
+                except Exception as e:  # a dying engine fails in many ways
+                    logger.warning("weight-sync group not closed at shutdown: %r", e)
             llm, self._llm = self._llm, None
             llm.shutdown()
 

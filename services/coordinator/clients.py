@@ -61,7 +61,11 @@ class GeneratorPool(Rotation):
         readmit: Callable[[str, str], Awaitable[None]] | None = None,
         wait_s: float = 600.0,
         probe_s: float = 5.0,
+        samples_per_call: int = 4096,
     ):
+        """``samples_per_call``: a replica's share of a batch goes as several concurrent calls
+        of at most this many samples (a generator refuses more than its
+        ``max_samples_per_request``); vLLM batches them together all the same."""
         super().__init__(
             "generator",
             replicas,
@@ -73,6 +77,7 @@ class GeneratorPool(Rotation):
             wait_s=wait_s,
         )
         self.deadline_s = deadline_s
+        self.samples_per_call = samples_per_call
 
     async def generate(
         self,
@@ -91,12 +96,16 @@ class GeneratorPool(Rotation):
         attempt = 0
         while todo:
             reps = await self.available()
-            shares = _split(todo, len(reps))
+            per_call = max(1, self.samples_per_call // max(1, sampling.n))
+            calls = [
+                (rep, share[k : k + per_call])
+                for rep, share in zip(reps, _split(todo, len(reps)), strict=True)
+                for k in range(0, len(share), per_call)
+            ]
             results = await asyncio.gather(
                 *(
-                    self._call(rep, share, sampling, f"{request_id}-a{attempt}-{i}", min_version)
-                    for i, (rep, share) in enumerate(zip(reps, shares, strict=True))
-                    if share
+                    self._call(rep, part, sampling, f"{request_id}-a{attempt}-{i}", min_version)
+                    for i, (rep, part) in enumerate(calls)
                 )
             )
             todo = []

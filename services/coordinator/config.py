@@ -203,6 +203,10 @@ class ServicesSection(StrictModel):
     """Embedded default on GPUs: CUDA_VISIBLE_DEVICES of the reference; empty inherits."""
     deadline_seconds: float = Field(600.0, gt=0)
     """Default deadline of every call to a service."""
+    generator_samples_per_call: int = Field(4096, ge=1, le=1 << 20)
+    """Most samples (prompts x n) in one Generate call: a replica's share of a larger batch or
+    evaluation goes as several concurrent calls. Keep it at or under the generators'
+    ``max_samples_per_request`` (default 16384), which they enforce."""
     replica_wait_seconds: float = Field(600.0, ge=0, le=86400)
     """How long generation or scoring waits for a replica to come back when every replica of
     that service failed (a restarted container takes minutes to serve again); replicas out of

@@ -54,6 +54,7 @@ async def drive(
         security=security,
         readmit=readmit,
         wait_s=wait_s,
+        samples_per_call=cfg.services.generator_samples_per_call,
     )
     rewards = RewardPool(services.rewards, deadline, security=security, wait_s=wait_s)
     state = json.loads((run_dir / "checkpoints" / "coordinator.json").read_text()) if resume else None

@@ -43,11 +43,13 @@ def prompts(n: int) -> list[str]:
 async def run_inprocess(
     model: str, texts: list[str], n: int, max_tokens: int, repeats: int, as_relayrl: bool
 ) -> list[float]:
+    import torch
     from vllm import AsyncEngineArgs, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    cpu_settings = as_relayrl and not torch.cuda.is_available()
     llm = AsyncLLM.from_engine_args(
         AsyncEngineArgs(
             model=model,
@@ -57,7 +59,8 @@ async def run_inprocess(
             max_model_len=1024,
             logprobs_mode="processed_logprobs",
             seed=0,
-            **({"enable_chunked_prefill": False, "max_num_batched_tokens": 2048} if as_relayrl else {}),
+            # relayrl turns chunked prefill off on CPU only (vllm_engine.py says why)
+            **({"enable_chunked_prefill": False, "max_num_batched_tokens": 2048} if cpu_settings else {}),
         )
     )
     tok = llm.tokenizer

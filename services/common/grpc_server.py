@@ -155,12 +155,12 @@ async def serve_forever(
     signalled = asyncio.ensure_future(stop.wait())
     died = asyncio.ensure_future(fatal if fatal is not None else asyncio.Event().wait())
     await asyncio.wait({waiter, signalled, died}, return_when=asyncio.FIRST_COMPLETED)
-    # A requested stop wins: a SIGTERM to the process group also ends an engine's own processes.
-    reason = (
-        died.result()
-        if died.done() and not signalled.done() and not died.cancelled() and died.exception() is None
-        else None
-    )
+    reason = None
+    if died.done() and not died.cancelled():
+        failed = died.exception()  # always read, so asyncio has nothing left to report
+        reason = f"the engine monitor failed: {failed!r}" if failed is not None else died.result()
+    if signalled.done():  # a requested stop wins: a SIGTERM to the group also ends an engine's processes
+        reason = None
     if reason:
         logger.error("%s; shutting down to be restarted", reason)
     logger.info("shutting down (grace %.1fs)", grace)

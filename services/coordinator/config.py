@@ -98,6 +98,10 @@ class SamplingSection(StrictModel):
     """Longest completion in tokens."""
     stop: list[str] = Field(default_factory=list)
     """Stop strings (the model's end-of-turn token always stops)."""
+    seeded: bool = True
+    """Seed every generation request from the experiment's ``seed`` (each prompt its own stream):
+    reproducible samples and resumes. vLLM samples seeded requests with a generator each, which
+    on GPUs skips its fused top-k/top-p sampling kernel; false trades reproducibility for that."""
 
 
 class AlgorithmSection(StrictModel):
@@ -266,11 +270,12 @@ class ExperimentConfig(StrictModel):
     name: str = Field("experiment", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
     """Run name; run folders are ``<runs_dir>/<name>-<timestamp>``."""
     seed: int = Field(0, ge=0, lt=2**63)
-    """Seed of data order and sampling: every generation request carries it, and each prompt's
-    samples are drawn from a stream of its own derived from it and the prompt's id (generator
-    ``SamplingParams.seed``). With ``schedule.max_staleness`` 0 a resumed run therefore continues
-    exactly as the uninterrupted one would; held-out prompts get the same streams at every
-    evaluation, so two evaluations differ by the weights, not by the draw."""
+    """Seed of data order and sampling: every generation request carries it (``sampling.seeded``),
+    and each prompt's samples are drawn from a random stream of its own derived from it and the
+    prompt's id (generator ``SamplingParams.seed``). With ``schedule.max_staleness`` 0 a resumed
+    run therefore draws as the uninterrupted one would (the same samples where vLLM's numbers do
+    not depend on the batch: on CPU here, or with ``VLLM_BATCH_INVARIANT=1`` on GPUs); held-out
+    prompts get the same streams at every evaluation."""
     runs_dir: str = "runs"
     """Where run folders go."""
     model: ModelSection
@@ -328,6 +333,13 @@ class ExperimentConfig(StrictModel):
             raise ValueError("algorithm.critic_warmup: only algorithm.advantage gae has a critic")
         if a.critic_warmup >= self.schedule.steps:
             raise ValueError("algorithm.critic_warmup must be fewer than schedule.steps")
+        per_call = self.services.generator_samples_per_call
+        for name, n in (
+            ("sampling.n", self.sampling.n),
+            ("schedule.eval_samples", self.schedule.eval_samples),
+        ):
+            if n > per_call:
+                raise ValueError(f"{name} ({n}) exceeds services.generator_samples_per_call ({per_call})")
         if not self.services.embedded:
             for role, need in (("critic", self.needs_critic), ("reference", self.needs_reference)):
                 if need and not getattr(self.services, role):

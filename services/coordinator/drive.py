@@ -27,6 +27,7 @@ async def drive(
     """Run the loop against ``services`` (started already); returns the finished experiment."""
     from relayrl.common.data.dataset import load_rows
 
+    state = json.loads((run_dir / "checkpoints" / "coordinator.json").read_text()) if resume else None
     train_rows = load_rows(cfg.data.train)
     test_rows = load_rows(cfg.data.test) if cfg.data.test else []
     deadline, security = cfg.services.deadline_seconds, cfg.services.security
@@ -57,7 +58,6 @@ async def drive(
         samples_per_call=cfg.services.generator_samples_per_call,
     )
     rewards = RewardPool(services.rewards, deadline, security=security, wait_s=wait_s)
-    state = json.loads((run_dir / "checkpoints" / "coordinator.json").read_text()) if resume else None
     trackers = Trackers(
         cfg.tracking, run_dir, cfg.model_dump(mode="json"), resume_step=state["step"] if state else None
     )

@@ -133,7 +133,7 @@ class Experiment:
             temperature=sched.eval_temperature if evaluation else s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,
-            seed=self.cfg.seed,
+            seed=self.cfg.seed if s.seeded else None,
         )
 
     async def rollout(

@@ -32,8 +32,8 @@ def new_run_dir(cfg: ExperimentConfig, run_id: str = "") -> Path:
     raise FileExistsError(f"no free run folder name under {runs} for {stamp}")
 
 
-def load_records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
+def load_records(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
+    path = run_dir / name
     return (
         [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     )
@@ -56,8 +56,11 @@ def rewind_records(run_dir: Path, step: int) -> list[dict]:
     kept = [r for r in records if r.get("step", 0) <= step]
     later = [r for r in records if r.get("step", 0) > step]
     if later:
-        with open(run_dir / "metrics.rewound.jsonl", "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in later)
+        # A crash between the append and the replace leaves them in both files: not twice here.
+        rewound = run_dir / "metrics.rewound.jsonl"
+        known = {(r.get("step"), r.get("time")) for r in load_records(run_dir, rewound.name)}
+        with open(rewound, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in later if (r.get("step"), r.get("time")) not in known)
         tmp = run_dir / "metrics.jsonl.tmp"
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         tmp.replace(run_dir / "metrics.jsonl")  # atomic: a crash now leaves one file or the other

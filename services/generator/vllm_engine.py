@@ -199,11 +199,12 @@ class VLLMEngine:
 
         prompt_len = len(prompt.token_ids)
         done = len(resumed.token_ids) if resumed else 0
-        seed = None if spec.seed is None else prompt_seed(spec.seed, prompt.prompt_id)
-        if seed is not None and resumed is not None:
-            # Deterministic for a given seed and swap point, distinct per sample: the n samples of
-            # a seeded request must not continue as n copies of one.
-            seed = (seed * 1_000_003 + resumed.index * 7_919 + done) % (1 << 63)
+        seed = None
+        if spec.seed is not None:
+            # A continuation is deterministic for a given seed and swap point, and distinct per
+            # sample: the n samples of a seeded request must not continue as n copies of one.
+            key = f"{prompt.prompt_id}/{resumed.index}/{done}" if resumed is not None else prompt.prompt_id
+            seed = prompt_seed(spec.seed, key)
         return SamplingParams(
             n=n,
             temperature=spec.temperature,

@@ -75,6 +75,11 @@ def test_dotted_overrides_parse_yaml_values(tmp_path):
             "data.generate: Value error, data.generate.params: arithmetic takes no parameter(s) max_len",
         ),
         ("data.generate={task: arithmetic, params: {shots: 9}}", "shots must be an integer in 0..8, got 9"),
+        (
+            "services.generator_samples_per_call=4",
+            "sampling.n (8) exceeds services.generator_samples_per_call (4)",
+        ),
+        ("seed=-1", "seed: Input should be greater than or equal to 0"),
     ],
 )
 def test_bad_values_name_the_field(tmp_path, override, needle):

@@ -529,7 +529,7 @@ async def test_update_weights_names_where_shm_and_ipc_buckets_are(svc):
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "2 entries for 1 buckets" in err.details()
 
 
-async def test_a_dead_engine_stops_the_server_and_exits_with_status_1():
+async def test_a_dead_engine_stops_the_server_and_says_why():
     """vLLM's EngineCore can die for good (a kernel error, an out-of-memory): the process must
     not live on answering errors, with a liveness probe that says SERVING. It stops serving,
     shuts the engine down and returns the reason, which ``relayrl serve generator`` turns into
@@ -546,3 +546,32 @@ async def test_a_dead_engine_stops_the_server_and_exits_with_status_1():
     died.set_result("generator fake-0: the vLLM engine died")
     assert await asyncio.wait_for(served, 10) == "generator fake-0: the vLLM engine died"  # exit 1
     assert engine.shutdowns == 1
+
+
+async def test_a_failing_engine_monitor_is_a_reason_to_exit_too():
+    from relayrl.common.grpc_server import serve_forever
+
+    handle = build(FakeEngine(), GeneratorConfig())
+    await start(handle, ready=True)
+    died = asyncio.get_running_loop().create_future()
+    served = asyncio.ensure_future(serve_forever(handle, 0.1, died))
+    await asyncio.sleep(0.05)
+    died.set_exception(RuntimeError("poll broke"))
+    assert await asyncio.wait_for(served, 10) == "the engine monitor failed: RuntimeError('poll broke')"
+
+
+def test_serve_cli_turns_a_dead_engine_into_exit_status_1(monkeypatch, tmp_path):
+    """What ``relayrl serve generator`` does with the reason ``run`` returns."""
+    import relayrl.generator.server as gen_server
+    from relayrl import serve_cli
+    from relayrl.cli import main
+
+    async def died(config, port_file=None):
+        return "generator x: the vLLM engine died"
+
+    monkeypatch.setattr(gen_server, "run", died)
+    monkeypatch.setattr(serve_cli, "eager_without_compiler", lambda: None)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "generator", "--model", str(tmp_path)])
+    assert "engine died" in str(e.value.code)  # a message, not a number: Python exits with status 1

@@ -10,6 +10,7 @@ The run folder holds ``config.yaml`` (resolved), ``launch.jsonl`` (every command
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
@@ -55,7 +56,17 @@ async def _run_and_serve(
         )
         if cfg.services.embedded:
             print("starting learner, generator and reward services ...", flush=True)
-        await h.task
+        try:
+            await asyncio.shield(h.task)
+        except asyncio.CancelledError:  # Ctrl-C or SIGTERM
+            # Cancelling the run's task ends it where it waits, and its cleanup stops the services.
+            # The stop flag also ends it at the next step, should anything on its way swallow that
+            # cancellation: a Ctrl-C on `relayrl launch ray` once left a run stepping on (CI).
+            h.stop.set()
+            h.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await h.task
+            raise
         return h
     finally:
         loop.remove_signal_handler(signal.SIGTERM)

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from relayrl.common import config as cfg_mod
+from relayrl.common.data.dataset import atomic_write
 from relayrl.coordinator.config import ExperimentConfig
 
 
@@ -61,7 +62,6 @@ def rewind_records(run_dir: Path, step: int) -> list[dict]:
         known = {(r.get("step"), r.get("time")) for r in load_records(run_dir, rewound.name)}
         with open(rewound, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in later if (r.get("step"), r.get("time")) not in known)
-        tmp = run_dir / "metrics.jsonl.tmp"
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        tmp.replace(run_dir / "metrics.jsonl")  # atomic: a crash now leaves one file or the other
+        text = "".join(json.dumps(r) + "\n" for r in kept)
+        atomic_write(run_dir / "metrics.jsonl", lambda tmp: tmp.write_text(text))  # one file or the other
     return kept

@@ -174,7 +174,7 @@ def _checked(rows: Iterable[Mapping[str, Any]], path: Path) -> list[dict[str, An
     return [dict(row) for row in rows]
 
 
-def _atomic_write(path: Path, write: Callable[[Path], None]) -> Path:
+def atomic_write(path: Path, write: Callable[[Path], None]) -> Path:
     """Write through a temporary file in the same folder, so readers never see half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -202,7 +202,7 @@ def write_parquet(rows: Iterable[Mapping[str, Any]], path: str | os.PathLike[str
             f"{path}: rows do not share one column type per field ({e}); "
             "write one task per parquet file, or use .jsonl"
         ) from e
-    return _atomic_write(path, lambda tmp: pq.write_table(table, tmp))
+    return atomic_write(path, lambda tmp: pq.write_table(table, tmp))
 
 
 def write_jsonl(rows: Iterable[Mapping[str, Any]], path: str | os.PathLike[str]) -> Path:
@@ -210,7 +210,7 @@ def write_jsonl(rows: Iterable[Mapping[str, Any]], path: str | os.PathLike[str])
     path = Path(path)
     rows = _checked(rows, path)
     text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    return _atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def write_rows(rows: Iterable[Mapping[str, Any]], path: str | os.PathLike[str]) -> Path:

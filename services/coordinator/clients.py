@@ -23,7 +23,7 @@ from relayrl.common.security import client_channel
 from relayrl.common.serving import ClientSecurity
 from relayrl.common.v1 import common_pb2
 from relayrl.coordinator.rotation import OPTIONS as _OPTIONS
-from relayrl.coordinator.rotation import Replica, Rotation
+from relayrl.coordinator.rotation import PROBE_TIMEOUT_S, Replica, Rotation
 from relayrl.generator.v1 import generator_pb2 as g
 from relayrl.generator.v1 import generator_pb2_grpc as gg
 from relayrl.learner.v1 import learner_pb2 as lp
@@ -45,6 +45,19 @@ _DOWN = {
 def version_of(s: common_pb2.Sample) -> int:
     """The oldest policy version that produced any token of the sample."""
     return min([s.policy_version, *(sp.version for sp in s.version_spans)])
+
+
+async def waits_for_weights(channel: grpc.aio.Channel) -> bool:
+    """Whether a generator that is not ready is up and only waiting for weights: its engine is
+    loaded (it knows its context length) and it is not mid swap. That is a replica whose load was
+    broken half-way (a peer of its broadcast group died): only a complete push makes it ready."""
+    try:
+        st = await gg.GeneratorServiceStub(channel).GetStatus(
+            g.GetStatusRequest(), timeout=PROBE_TIMEOUT_S, metadata=logcontext.current()
+        )
+    except grpc.aio.AioRpcError:
+        return False
+    return not st.ready and not st.swapping and st.max_model_len > 0
 
 
 def _split(items: Sequence, parts: int) -> list[list]:
@@ -75,6 +88,7 @@ class GeneratorPool(Rotation):
             on_down=on_down,
             probe_s=probe_s,
             wait_s=wait_s,
+            admit_unready=waits_for_weights,
         )
         self.deadline_s = deadline_s
         self.samples_per_call = samples_per_call

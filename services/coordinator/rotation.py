@@ -6,7 +6,9 @@ few minutes later. So every ``probe_s`` a replica out of rotation is asked the g
 protocol on a fresh channel with a subchannel of its own (a channel to a dead peer backs off for
 up to two minutes between reconnects); once it answers SERVING, ``readmit`` runs (for generators: register with the learner
 and take its current weights, so the replica never samples with an older policy) and the replica
-is back. Callers that find no replica in rotation wait for one up to ``wait_s`` before
+is back. A replica that is up but not ready only because it waits for weights (a generator whose
+load was broken by a peer that died mid-broadcast: ``admit_unready`` says which) is readmitted too:
+the readmission's push is what makes it ready, so waiting for SERVING first would wait forever. Callers that find no replica in rotation wait for one up to ``wait_s`` before
 ``NoReplicaLeft``: a run with one generator outlives that generator's restart instead of failing.
 """
 
@@ -55,8 +57,12 @@ class Rotation:
         on_down: Callable[[str], None] | None = None,
         probe_s: float = 5.0,
         wait_s: float = 600.0,
+        admit_unready: Callable[[grpc.aio.Channel], Awaitable[bool]] | None = None,
     ):
+        """``admit_unready(channel)``: whether a replica answering NOT_SERVING is readmitted all
+        the same (it needs what ``readmit`` gives it)."""
         self.kind = kind
+        self.admit_unready = admit_unready
         self.service_name = service_name
         self.security = security
         self.readmit = readmit
@@ -139,6 +145,9 @@ class Rotation:
         adopted = False
         try:
             why = await self._check(channel)
+            if why.startswith("health ") and self.readmit and self.admit_unready:
+                if await self.admit_unready(channel):
+                    why = ""
             if not why and self.readmit:
                 try:
                     await self.readmit(rep.name, rep.address)

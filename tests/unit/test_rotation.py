@@ -225,3 +225,70 @@ async def test_only_a_replica_that_does_not_answer_is_dropped_and_any_readmissio
         await rot.close()
         await swapping.stop()
         await gone.stop()
+
+
+def _status_servicer(**fields):
+    from relayrl.generator.v1 import generator_pb2_grpc
+
+    class _Status(generator_pb2_grpc.GeneratorServiceServicer):
+        """A generator's GetStatus, as the engine would answer it."""
+
+        async def GetStatus(self, request, context):
+            from relayrl.generator.v1 import generator_pb2
+
+            return generator_pb2.GetStatusResponse(**fields)
+
+    return _Status()
+
+
+async def _generator(status) -> HealthServer:
+    from relayrl.common.grpc_server import add_service
+    from relayrl.generator.v1 import generator_pb2
+
+    srv = HealthServer()
+    srv.server = grpc.aio.server()
+    srv.health = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(srv.health, srv.server)
+    add_service(srv.server, status, generator_pb2.DESCRIPTOR.services_by_name["GeneratorService"])
+    srv.port = srv.server.add_insecure_port("127.0.0.1:0")
+    await srv.serving(False)
+    await srv.server.start()
+    return srv
+
+
+@pytest.mark.parametrize(
+    ("status", "readmitted"),
+    [
+        # up, loaded, not swapping, not ready: its load broke half-way (a broadcast peer died)
+        ({"ready": False, "swapping": False, "max_model_len": 64}, True),
+        ({"ready": False, "swapping": False, "max_model_len": 0}, False),  # the model still loads
+        ({"ready": False, "swapping": True, "max_model_len": 64}, False),  # mid swap
+    ],
+    ids=["weights-broken", "loading", "swapping"],
+)
+async def test_a_generator_waiting_for_weights_is_readmitted_though_not_serving(status, readmitted):
+    """The survivor of a broken broadcast answers NOT_SERVING until a complete push: were it
+    readmitted only once SERVING, it would stay out of rotation for good (seen in CI: a run of
+    two generators ended on one). Its readmission is what pushes it the weights."""
+    from relayrl.coordinator.clients import GeneratorPool
+
+    srv = await _generator(_status_servicer(**status))
+    admitted = []
+
+    async def readmit(name, address):
+        admitted.append(name)
+        await srv.serving(True)  # the push made it ready
+
+    pool = GeneratorPool({"gen-0": srv.address}, 5.0, readmit=readmit, wait_s=0.5, probe_s=0.05)
+    try:
+        pool.mark_down(pool.replicas[0], "UNAVAILABLE: engine is not ready (a weight load failed)")
+        await asyncio.sleep(0.06)
+        if readmitted:
+            assert [r.name for r in await pool.available()] == ["gen-0"] and admitted == ["gen-0"]
+        else:
+            with pytest.raises(NoReplicaLeft):
+                await pool.available()
+            assert admitted == []
+    finally:
+        await pool.close()
+        await srv.stop()

@@ -62,3 +62,31 @@ def tiny_model_dir(tmp_path_factory):
     from relayrl.common.modelkit.tiny import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+REVERSE_ASSETS = """
+name: assets
+model:
+  path: {root}/model
+  tiny: {{task: reverse, sft_steps: 50, seed: 0}}
+data:
+  train: {root}/data/train.parquet
+  test: {root}/data/test.parquet
+  generate: {{task: reverse, n_train: 2000, n_test: 128, seed: 0}}
+"""
+
+
+@pytest.fixture(scope="session")
+def reverse_assets(tmp_path_factory) -> Path:
+    """A tiny Qwen2 warm-started on digit reversal (``model/``) and the reverse task's data
+    (``data/train.parquet``, ``data/test.parquet``), built once by ``prepare`` for the tests that
+    run the whole system (e2e, chaos)."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("deepspeed")
+    from relayrl.coordinator.assets import prepare
+    from relayrl.coordinator.derive import load_experiment
+
+    root = tmp_path_factory.mktemp("reverse")
+    (root / "assets.yaml").write_text(REVERSE_ASSETS.format(root=root))
+    prepare(load_experiment(root / "assets.yaml"))
+    return root

@@ -43,8 +43,9 @@ def _format_loc(loc: Iterable[Any]) -> str:
     return out or "<root>"
 
 
-def format_validation_error(err: ValidationError, source: str = "") -> str:
-    """One line per problem, each starting with the dotted field path.
+def format_validation_error(err: ValidationError, source: str = "", within: str = "") -> str:
+    """One line per problem, each starting with the dotted field path (under ``within``, the
+    path of the validated section in a larger config, e.g. ``reference``).
 
     Pydantic's own rendering puts the path on a line of its own and adds a docs URL; users read
     these in a terminal or a gRPC status message, so keep them short and path-first.
@@ -53,13 +54,13 @@ def format_validation_error(err: ValidationError, source: str = "") -> str:
     for e in err.errors(include_url=False):
         # Union members add their type name to loc (e.g. "function-after[...]"); drop those.
         loc = [p for p in e["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function")))]
-        path = _format_loc(loc)
+        path = _format_loc([within, *loc] if within else loc)
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
         got = e.get("input")
         if e["type"] not in ("missing", "extra_forbidden") and not isinstance(got, (dict, list)):
-            msg += f" (got {got!r})"
+            msg += f" (got {got!r:.200})"
         lines.append(f"{path}: {msg}")
     prefix = f"{source}: " if source else ""
     return prefix + ("invalid config\n  " if len(lines) > 1 else "") + "\n  ".join(lines)
@@ -82,7 +83,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from None
+        raise ConfigError(f"override {item!r:.200}: value is not valid YAML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"override {item!r:.200}: nested deeper than {MAX_CONFIG_DEPTH} levels") from None
     return key.split("."), value
 
 
@@ -115,6 +118,9 @@ def _deep_copy(d: Mapping[str, Any]) -> dict[str, Any]:
 MAX_CONFIG_NODES = 100_000
 """Most values (keys, scalars, lists, mappings) a config may hold once YAML aliases are expanded; a
 few lines of nested aliases expand to billions ("billion laughs")."""
+MAX_CONFIG_DEPTH = 64
+"""Deepest nesting of lists and mappings a config may have (relayrl's own is under 10): deeper
+structures would exhaust the recursion of the YAML parser, the overrides or the validation."""
 
 
 def parse_yaml(text: str, source: str = "config") -> dict[str, Any]:
@@ -134,22 +140,31 @@ def parse_yaml(text: str, source: str = "config") -> dict[str, Any]:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{source}: not valid YAML: {e}") from None
+    except RecursionError:  # PyYAML's composer recurses once per level of nesting
+        raise ConfigError(f"{source}: nested deeper than {MAX_CONFIG_DEPTH} levels") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: top level must be a mapping of sections, got {type(data).__name__}")
-    stack, seen = [data], 0
+    _check_size(data, source)
+    return data
+
+
+def _check_size(data: Any, source: str) -> None:
+    """ConfigError past ``MAX_CONFIG_NODES`` values or ``MAX_CONFIG_DEPTH`` levels (no recursion)."""
+    stack, seen = [(data, 0)], 0
     while stack:  # count as if aliases were copies: what validation and copying would walk
-        x = stack.pop()
+        x, depth = stack.pop()
         seen += 1
         if seen > MAX_CONFIG_NODES:
             raise ConfigError(f"{source}: more than {MAX_CONFIG_NODES} values once YAML aliases are expanded")
+        if depth > MAX_CONFIG_DEPTH:
+            raise ConfigError(f"{source}: nested deeper than {MAX_CONFIG_DEPTH} levels")
         if isinstance(x, dict):
-            stack.extend(x.keys())
-            stack.extend(x.values())
+            stack.extend((k, depth + 1) for k in x)
+            stack.extend((v, depth + 1) for v in x.values())
         elif isinstance(x, list):
-            stack.extend(x)
-    return data
+            stack.extend((v, depth + 1) for v in x)
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -165,6 +180,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 def build(model: type[M], data: Mapping[str, Any], overrides: Iterable[str] = (), source: str = "") -> M:
     """Validate ``data`` plus ``overrides`` into ``model``; errors become one ConfigError."""
     merged = apply_overrides(dict(data), overrides)
+    _check_size(merged, source or "config")  # overrides may add what the text's check never saw
     try:
         return model.model_validate(merged)
     except ValidationError as e:

@@ -154,6 +154,7 @@ async def serve_forever(
     waiter = asyncio.ensure_future(handle.server.wait_for_termination())
     signalled = asyncio.ensure_future(stop.wait())
     died = asyncio.ensure_future(fatal if fatal is not None else asyncio.Event().wait())
+    # wait: the server's lifetime: SIGTERM/SIGINT, the server's termination or ``fatal`` ends it
     await asyncio.wait({waiter, signalled, died}, return_when=asyncio.FIRST_COMPLETED)
     reason = None
     if died.done() and not died.cancelled():

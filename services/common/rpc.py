@@ -166,6 +166,8 @@ async def to_the_end(work: Awaitable[Any]) -> Any:
     so a task whose caller left does not end as "exception was never retrieved"."""
     task = asyncio.ensure_future(work)
     task.add_done_callback(_log_orphan_failure)
+    # wait: as long as ``work``, whose own waits are bounded where it is written; a cancelled
+    # caller leaves at once
     return await asyncio.shield(task)
 
 

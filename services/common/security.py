@@ -25,8 +25,8 @@ import hmac
 import ipaddress
 import logging
 import os
+import stat
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -51,11 +51,41 @@ class SecurityError(ValueError):
 
 
 # -- files ---------------------------------------------------------------------------------------
-def _read(path: str, what: str) -> bytes:
+MAX_TOKEN_FILE_BYTES = 64 << 10
+"""Largest token file read: a token is one word; a bigger file is a wrong path."""
+MAX_PEM_FILE_BYTES = 4 << 20
+"""Largest certificate, key or CA bundle read (a system CA bundle is a few hundred KiB)."""
+
+
+def read_file(path: str, what: str, limit: int = MAX_PEM_FILE_BYTES) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them; SecurityError otherwise.
+
+    A config may name any path: ``/dev/zero`` read whole never ends, and a FIFO blocks its
+    reader until someone writes. So the file is opened without blocking, checked to be a
+    regular file on the open descriptor (no swap between check and read), and read to ``limit``.
+    """
     try:
-        return Path(path).read_bytes()
-    except OSError as e:
-        raise SecurityError(f"{what}: cannot read {path}: {e.strerror}") from None
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+            data = _read_upto(fd, limit + 1) if regular else b""
+        finally:
+            os.close(fd)
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+        raise SecurityError(f"{what}: cannot read {path:.300}: {getattr(e, 'strerror', None) or e}") from None
+    if not regular:
+        raise SecurityError(f"{what}: {path:.300} is not a regular file")
+    if len(data) > limit:
+        raise SecurityError(f"{what}: {path:.300} is larger than {limit} bytes")
+    return data
+
+
+def _read_upto(fd: int, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n and (chunk := os.read(fd, n - got)):
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
 
 
 def token_path(configured: str | None) -> str | None:
@@ -65,7 +95,7 @@ def token_path(configured: str | None) -> str | None:
 
 def read_token(path: str) -> str:
     """The token in ``path``, surrounding whitespace removed; it must be one printable ASCII word."""
-    token = _read(path, "token file").decode(errors="replace").strip()
+    token = read_file(path, "token file", MAX_TOKEN_FILE_BYTES).decode(errors="replace").strip()
     if not token:
         raise SecurityError(f"token file {path} is empty")
     if not (token.isascii() and token.isprintable()) or any(c.isspace() for c in token):
@@ -115,9 +145,9 @@ def server_credentials(cfg: ServeConfig) -> grpc.ServerCredentials | None:
     """TLS credentials from ``cfg`` (mutual when ``tls_client_ca`` is set); None: plaintext."""
     if not (cfg.tls_cert and cfg.tls_key):
         return None
-    client_ca = _read(cfg.tls_client_ca, "serve.tls_client_ca") if cfg.tls_client_ca else None
+    client_ca = read_file(cfg.tls_client_ca, "serve.tls_client_ca") if cfg.tls_client_ca else None
     return grpc.ssl_server_credentials(
-        [(_read(cfg.tls_key, "serve.tls_key"), _read(cfg.tls_cert, "serve.tls_cert"))],
+        [(read_file(cfg.tls_key, "serve.tls_key"), read_file(cfg.tls_cert, "serve.tls_cert"))],
         root_certificates=client_ca,
         require_client_auth=client_ca is not None,
     )
@@ -197,9 +227,9 @@ def _channel_credentials(
     if bool(client_cert) != bool(client_key):
         raise SecurityError("client certificate and key go together")
     return grpc.ssl_channel_credentials(
-        root_certificates=_read(tls_ca, "tls ca"),
-        private_key=_read(client_key, "tls key") if client_key else None,
-        certificate_chain=_read(client_cert, "tls cert") if client_cert else None,
+        root_certificates=read_file(tls_ca, "tls ca"),
+        private_key=read_file(client_key, "tls key") if client_key else None,
+        certificate_chain=read_file(client_cert, "tls cert") if client_cert else None,
     )
 
 

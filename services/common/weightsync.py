@@ -347,17 +347,47 @@ def broadcast(pg, tensor: torch.Tensor, root: int = 0) -> None:
     pg.broadcast(tensor, root).wait()
 
 
+def dtype_kind(dtype: str) -> str:
+    """ "float", "int" or "bool": what a value of ``dtype`` (a torch name) is.
+
+    >>> dtype_kind("bfloat16"), dtype_kind("int64"), dtype_kind("uint8"), dtype_kind("bool")
+    ('float', 'int', 'int', 'bool')
+    """
+    if dtype == "bool":
+        return "bool"
+    return "int" if dtype.startswith(("int", "uint")) else "float"
+
+
+def safetensors_kind(dtype: str) -> str:
+    """``dtype_kind`` of a safetensors header's dtype ("F32", "BF16", "I64", "U8", "BOOL", ...).
+
+    >>> safetensors_kind("BF16"), safetensors_kind("F8_E4M3"), safetensors_kind("I64"), safetensors_kind("BOOL")
+    ('float', 'float', 'int', 'bool')
+    """
+    if dtype == "BOOL":
+        return "bool"
+    return "int" if dtype.startswith(("I", "U")) else "float"
+
+
 def check_plan(
-    metas: Sequence[TensorMeta], expected: dict[str, tuple[int, ...]], optional: set[str]
+    metas: Sequence[TensorMeta],
+    expected: dict[str, tuple[int, ...]],
+    optional: set[str],
+    kinds: dict[str, str] | None = None,
 ) -> list[str]:
-    """Problems with a plan against a model's checkpoint tensors (name -> shape).
+    """Problems with a plan against a model's checkpoint tensors (name -> shape, and name ->
+    ``dtype_kind`` when ``kinds`` is given).
 
     Every expected tensor must appear once with its shape; names in ``optional`` (e.g. a tied
-    ``lm_head.weight``) may appear or not; nothing else may.
+    ``lm_head.weight``) may appear or not; nothing else may. A tensor's dtype may differ from the
+    checkpoint's in precision (bfloat16 for float32: the engine converts), not in kind: integers
+    sent for float weights would be converted silently into a model nobody trained.
 
     >>> check_plan([TensorMeta("a", "float32", (2,)), TensorMeta("x", "float32", (1,))],
     ...            {"a": (3,), "b": (1,)}, set())
     ["a: shape (2,) does not match the model's (3,)", 'x: not a tensor of this model', 'missing tensors: b']
+    >>> check_plan([TensorMeta("a", "int64", (3,))], {"a": (3,)}, set(), {"a": "float"})
+    ['a: dtype int64 where the model holds float values']
     """
     problems = []
     seen: set[str] = set()
@@ -367,6 +397,8 @@ def check_plan(
         seen.add(m.name)
         if m.dtype not in ITEMSIZE:
             problems.append(f"{m.name}: unsupported dtype {m.dtype!r}")
+        elif kinds and m.name in kinds and dtype_kind(m.dtype) != kinds[m.name]:
+            problems.append(f"{m.name}: dtype {m.dtype} where the model holds {kinds[m.name]} values")
         if m.name in expected:
             if tuple(m.shape) != tuple(expected[m.name]):
                 problems.append(

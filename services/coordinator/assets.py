@@ -4,6 +4,7 @@ missing is named before anything starts (``missing_inputs``); what the config sa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from relayrl.coordinator.config import ExperimentConfig
@@ -17,15 +18,18 @@ def missing_inputs(cfg: ExperimentConfig) -> list[str]:
     model = Path(cfg.model.path)
     if cfg.services.embedded and not (model / "config.json").is_file() and cfg.model.tiny is None:
         problems.append(f"model folder {model} has no config.json (set model.tiny to build a tiny one)")
-    for path in (cfg.data.train, cfg.data.test):
-        if path and not Path(path).is_file() and cfg.data.generate is None:
+    for what, path in (("data.train", cfg.data.train), ("data.test", cfg.data.test)):
+        if path and Path(path).exists() and not Path(path).is_file():
+            problems.append(f"{what}: {path} is not a regular file")
+        elif path and not Path(path).exists() and cfg.data.generate is None:
             problems.append(f"data file {path} does not exist (set data.generate to build it)")
     return problems + missing_packages(cfg.tracking)
 
 
-def prepare(cfg: ExperimentConfig) -> None:
+def prepare(cfg: ExperimentConfig, stop: Callable[[], bool] | None = None) -> bool:
     """Build the tiny model and the task data when the config asks for them and they are missing;
-    ValueError naming what is missing when it cannot."""
+    ValueError naming what is missing when it cannot. ``stop`` (asked from this thread, while
+    data is generated): once true, give up, writing nothing more, and return False."""
     if problems := missing_inputs(cfg):
         raise ValueError("; ".join(problems))
     model = Path(cfg.model.path)
@@ -47,6 +51,11 @@ def prepare(cfg: ExperimentConfig) -> None:
     ):
         if path and not Path(path).exists():
             from relayrl.common.data.dataset import write_rows
-            from relayrl.common.data.tasks import generate
+            from relayrl.common.data.tasks import GenerationStopped, generate_rows
 
-            write_rows(generate(spec.task, n, seed=spec.seed, split=split, **spec.params), path)
+            try:
+                rows = generate_rows(spec.task, n, spec.seed, split, spec.params, stop=stop)
+            except GenerationStopped:
+                return False
+            write_rows(rows, path)
+    return True

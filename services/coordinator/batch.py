@@ -13,6 +13,7 @@ from relayrl.common.v1 import common_pb2
 from relayrl.coordinator.advantages import advantages
 from relayrl.coordinator.clients import LearnerClient, version_of
 from relayrl.coordinator.config import ExperimentConfig
+from relayrl.coordinator.errors import ScoringFailed
 from relayrl.coordinator.token_advantages import explained_variance, kl_penalty, token_advantages
 from relayrl.learner.v1 import learner_pb2 as lp
 from relayrl.reward.v1 import reward_pb2 as rw
@@ -41,6 +42,7 @@ class Rollout:
     groups: list[tuple[dict, list[common_pb2.Sample], list[rw.RewardResult]]]
     seconds: dict[str, float] = field(default_factory=dict)
     gen_tokens: int = 0
+    prompt_ids: list[str] = field(default_factory=list)  # the step's prompts, in data order
 
 
 def train_sample(s: common_pb2.Sample, **advantage) -> lp.TrainSample:
@@ -54,13 +56,66 @@ def train_sample(s: common_pb2.Sample, **advantage) -> lp.TrainSample:
     )
 
 
+def scored_reward(r: rw.RewardResult, timeout_reward: float | None) -> float | None:
+    """The reward a sample trains on, or None when it was not scored: a scorer ERROR always, a
+    TIMEOUT unless ``timeout_reward`` says what it counts as (``algorithm.timeout_reward``).
+
+    >>> ok = rw.RewardResult(status=rw.SCORE_STATUS_OK, reward=0.0)
+    >>> late = rw.RewardResult(status=rw.SCORE_STATUS_TIMEOUT)
+    >>> scored_reward(ok, None), scored_reward(late, None), scored_reward(late, 0.0)
+    (0.0, None, 0.0)
+    >>> scored_reward(rw.RewardResult(status=rw.SCORE_STATUS_ERROR, reward=0.0), 0.0) is None
+    True
+    """
+    if r.status == rw.SCORE_STATUS_OK:
+        return r.reward
+    if r.status == rw.SCORE_STATUS_TIMEOUT:
+        return timeout_reward
+    return None
+
+
+def reward_stats(cfg: ExperimentConfig, ro: Rollout) -> dict[str, float]:
+    """Reward means over the samples that were scored (a scorer's failure is no reward of
+    0), the failures counted; raises ``ScoringFailed`` when they are more than
+    ``services.max_reward_error_fraction`` of the step."""
+    results = [r for _, _, rs in ro.groups for r in rs]
+    samples = [s for _, ss, _ in ro.groups for s in ss]
+    timeout_reward = cfg.algorithm.timeout_reward
+    rewards = [x for r in results if (x := scored_reward(r, timeout_reward)) is not None]
+    failed = [r for r in results if scored_reward(r, timeout_reward) is None]
+    limit = cfg.services.max_reward_error_fraction
+    if results and len(failed) > limit * len(results):
+        first = failed[0]
+        raise ScoringFailed(
+            f"the reward service failed to score {len(failed)} of {len(results)} samples "
+            f"(more than services.max_reward_error_fraction {limit:g}); e.g. "
+            f"{rw.ScoreStatus.Name(first.status)} for {first.sample_id}: {first.error[:300]!r}"
+        )
+    comps: dict[str, list[float]] = {}
+    for r in results:
+        if r.status == rw.SCORE_STATUS_OK:
+            for k, v in r.components.items():
+                comps.setdefault(k, []).append(v)
+    lengths = [len(s.completion_token_ids) for s in samples]
+    stats = {
+        "reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
+        "reward_errors": sum(r.status == rw.SCORE_STATUS_ERROR for r in results),
+        "reward_timeouts": sum(r.status == rw.SCORE_STATUS_TIMEOUT for r in results),
+        "completion_len_mean": sum(lengths) / max(1, len(lengths)),
+        "completion_len_max": max(lengths, default=0),
+    }
+    stats.update({f"reward_{k}": sum(v) / len(v) for k, v in comps.items()})
+    return stats
+
+
 def group_batch(
     cfg: ExperimentConfig, version: int, ro: Rollout
 ) -> tuple[list[lp.TrainSample], list, dict[str, float]]:
-    """Stale groups dropped; advantages per group for the GRPO family (groups without signal
-    left out); for token-level advantages (REINFORCE++, PPO) the kept (sample, reward) pairs,
-    whose advantages come from the whole batch."""
-    out, dropped, flat, lags = [], 0, 0, []
+    """Stale groups dropped; samples the reward service did not score left out (a group left
+    with fewer than 2 gives no signal); advantages per group for the GRPO family (groups without
+    signal left out); for token-level advantages (REINFORCE++, PPO) the kept (sample, reward)
+    pairs, whose advantages come from the whole batch."""
+    out, dropped, flat, lags, unscored, thin = [], 0, 0, [], 0, 0
     per_batch, kept = cfg.algorithm.advantage in TOKEN_LEVEL, []
     for _row, samples, results in ro.groups:
         lag = max(version - version_of(s) for s in samples)
@@ -68,21 +123,28 @@ def group_batch(
             dropped += 1
             continue
         lags += [version - version_of(s) for s in samples]
-        rewards = [r.reward if r.status == rw.SCORE_STATUS_OK else 0.0 for r in results]
+        rewards = [scored_reward(r, cfg.algorithm.timeout_reward) for r in results]
+        scored = [(s, rew) for s, rew in zip(samples, rewards, strict=True) if rew is not None]
+        unscored += len(samples) - len(scored)
         if per_batch:  # advantages come from the whole batch
-            kept += [(s, rew) for s, rew in zip(samples, rewards, strict=True)]
+            kept += scored
             continue
-        adv = advantages(rewards, cfg.algorithm.advantage, cfg.algorithm.scale_std)
+        if len(scored) < 2:  # no baseline to compare with
+            thin += 1
+            continue
+        adv = advantages([rew for _, rew in scored], cfg.algorithm.advantage, cfg.algorithm.scale_std)
         if all(a == 0 for a in adv):
             flat += 1  # equal rewards: zero gradient, only cost
             continue
-        out += [train_sample(s, advantage=a) for s, a in zip(samples, adv, strict=True)]
+        out += [train_sample(s, advantage=a) for (s, _), a in zip(scored, adv, strict=True)]
     return (
         out,
         kept,
         {
             "dropped_stale_groups": dropped,
             "zero_signal_groups": flat,
+            "unscored_samples": unscored,
+            "unscored_groups": thin,
             "staleness_mean": sum(lags) / len(lags) if lags else 0.0,
             "staleness_max": max(lags, default=0),
         },
@@ -144,6 +206,9 @@ async def train_batch(
         stats["critic_values_mean"] = float(np.mean(np.concatenate([np.asarray(v) for v in values])))
         stats["returns_mean"] = float(np.mean(np.concatenate(returns)))
     if kl is not None:
+        # Two means of one KL: over every token of the batch, and per completion then over
+        # completions (verl's); the adaptive controller follows ``algorithm.kl_reduction``.
         stats["kl_reward"] = float(np.mean(np.concatenate(kl)))
+        stats["kl_reward_per_sequence"] = float(np.mean([np.mean(k) for k in kl if len(k)]))
         stats["kl_coef"] = kl_coef
     return TrainBatch(actor, critic, stats)

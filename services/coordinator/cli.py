@@ -32,7 +32,7 @@ def add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _experiment(args: argparse.Namespace, overrides: list[str]):
     """The config to run, and the run folder to resume (or None)."""
-    from relayrl.coordinator.config import load_experiment
+    from relayrl.coordinator.derive import load_experiment
 
     if args.resume:
         run_dir = Path(args.resume)

@@ -5,10 +5,15 @@ critic and reference of PPO) is one service with one address (``LearnerClient``)
 Generate is spread by prompt: each healthy replica gets a share of the prompts. If a replica's
 call fails (it died, or its deadline passed), its prompts whose groups are not complete are sent
 again to the replicas still healthy; samples are keyed by (prompt_id, sample_index) and a
-partial group from a failed call is discarded, so no prompt is lost or counted twice. Score is
+partial group from a failed call is discarded, so no prompt is lost or counted twice. A call
+that ends OK without all of a prompt's samples, or a Score answer that does not match its items
+one for one, is a replica failing its contract: treated as a failed call, never used. Score is
 stateless and is re-issued the same way by chunks. A failed replica is probed and comes back into
-rotation when it serves again (``rotation.py``); with none left, calls wait for one. Channels speak TLS and carry the bearer token
-as ``services.security`` says.
+rotation when it serves again (``rotation.py``); with none left, calls wait for one. Work that
+fails ``max_attempts`` times (a prompt that kills every generator it reaches, a replica that
+fails and comes back healthy again and again) ends the run with ``AttemptsExhausted``, naming
+the replicas and their errors, instead of being sent again forever. Channels speak TLS and carry
+the bearer token as ``services.security`` says.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from relayrl.common import logcontext
 from relayrl.common.security import client_channel
 from relayrl.common.serving import ClientSecurity
 from relayrl.common.v1 import common_pb2
+from relayrl.coordinator.errors import AttemptsExhausted, ServiceRpcError
 from relayrl.coordinator.rotation import OPTIONS as _OPTIONS
 from relayrl.coordinator.rotation import PROBE_TIMEOUT_S, Replica, Rotation
 from relayrl.generator.v1 import generator_pb2 as g
@@ -64,6 +70,24 @@ def _split(items: Sequence, parts: int) -> list[list]:
     return [list(items[i::parts]) for i in range(parts)]
 
 
+class Attempts:
+    """Failed tries per piece of work, with their reasons; ``failed`` raises
+    ``AttemptsExhausted`` at the ``limit``-th failure of one piece."""
+
+    def __init__(self, what: str, limit: int):
+        self.what, self.limit = what, limit
+        self.errors: dict[str, list[str]] = {}
+
+    def failed(self, key: str, why: str) -> None:
+        errors = self.errors.setdefault(key, [])
+        errors.append(why[:300])
+        if len(errors) >= self.limit:
+            raise AttemptsExhausted(
+                f"{self.what} {key[:100]} failed on all {self.limit} attempts (services.max_attempts): "
+                + "; ".join(errors)
+            )
+
+
 class GeneratorPool(Rotation):
     def __init__(
         self,
@@ -75,6 +99,8 @@ class GeneratorPool(Rotation):
         wait_s: float = 600.0,
         probe_s: float = 5.0,
         samples_per_call: int = 4096,
+        max_attempts: int = 4,
+        coming_back: Callable[[str], bool] | None = None,
     ):
         """``samples_per_call``: a replica's share of a batch goes as several concurrent calls
         of at most this many samples (a generator refuses more than its
@@ -89,9 +115,12 @@ class GeneratorPool(Rotation):
             probe_s=probe_s,
             wait_s=wait_s,
             admit_unready=waits_for_weights,
+            call_deadline_s=deadline_s,
+            coming_back=coming_back,
         )
         self.deadline_s = deadline_s
         self.samples_per_call = samples_per_call
+        self.max_attempts = max_attempts
 
     async def generate(
         self,
@@ -108,6 +137,7 @@ class GeneratorPool(Rotation):
         done: dict[str, dict[int, common_pb2.Sample]] = {}
         todo = list(prompts)
         attempt = 0
+        tries = Attempts("generator: prompt", self.max_attempts)
         while todo:
             reps = await self.available()
             per_call = max(1, self.samples_per_call // max(1, sampling.n))
@@ -123,15 +153,19 @@ class GeneratorPool(Rotation):
                 )
             )
             todo = []
-            for got, failed in results:
-                for pid, samples in got.items():
-                    if len(samples) == sampling.n:
-                        done[pid] = samples
-                todo += [p for p in failed if p.prompt_id not in done]
+            for (rep, _), (got, failed, why) in zip(calls, results, strict=True):
+                done.update(got)
+                for p in failed:
+                    tries.failed(p.prompt_id, f"{rep.name}: {why}")
+                todo += failed
             attempt += 1
         return {pid: [s[i] for i in sorted(s)] for pid, s in done.items()}
 
-    async def _call(self, rep: Replica, share: list, sampling: g.SamplingParams, rid: str, min_version: int):
+    async def _call(
+        self, rep: Replica, share: list, sampling: g.SamplingParams, rid: str, min_version: int
+    ) -> tuple[dict[str, dict[int, common_pb2.Sample]], list[common_pb2.Prompt], str]:
+        """One Generate call: the prompts it completed (all n samples), those to send again, and
+        why they failed."""
         got: dict[str, dict[int, common_pb2.Sample]] = {}
         stub = gg.GeneratorServiceStub(rep.channel)
         try:
@@ -145,15 +179,24 @@ class GeneratorPool(Rotation):
                     got.setdefault(s.prompt_id, {})[s.sample_index] = s
             oldest = min((version_of(s) for v in got.values() for s in v.values()), default=min_version)
             if oldest < min_version:
-                self.mark_down(rep, f"sampled with policy version {oldest}, not {min_version}: restarted?")
-                return {}, share
-            return got, []
+                why = f"sampled with policy version {oldest}, not {min_version}: restarted?"
+                self.mark_down(rep, why)
+                return {}, share, why
+            why = "answered OK without all samples of the prompt (a generator bug)"
         except grpc.aio.AioRpcError as e:
-            if e.code() not in _DOWN:
-                raise  # a bad request: re-issuing it elsewhere would fail the same way
-            self.mark_down(rep, f"{e.code().name}: {e.details()}")
-            complete = {pid: s for pid, s in got.items() if len(s) == sampling.n}
-            return complete, [p for p in share if p.prompt_id not in complete]
+            if e.code() not in _DOWN:  # a bad request: re-issuing it elsewhere would fail the same way
+                raise ServiceRpcError(e, f"generator {rep.name} ({rep.address})", "Generate") from None
+            why = f"{e.code().name}: {e.details()}"
+        complete = {p.prompt_id: got[p.prompt_id] for p in share if _whole(got.get(p.prompt_id), sampling.n)}
+        failed = [p for p in share if p.prompt_id not in complete]
+        if failed:
+            self.mark_down(rep, why)
+        return complete, failed, why
+
+
+def _whole(samples: dict[int, common_pb2.Sample] | None, n: int) -> bool:
+    """Whether a prompt's samples are all there: indices 0 .. n-1, each once."""
+    return samples is not None and sorted(samples) == list(range(n))
 
 
 class RewardPool(Rotation):
@@ -165,74 +208,99 @@ class RewardPool(Rotation):
         security: ClientSecurity | None = None,
         wait_s: float = 600.0,
         probe_s: float = 5.0,
+        max_attempts: int = 4,
+        coming_back: Callable[[str], bool] | None = None,
     ):
         super().__init__(
-            "reward", replicas, "relayrl.reward.v1.RewardService", security, probe_s=probe_s, wait_s=wait_s
+            "reward",
+            replicas,
+            "relayrl.reward.v1.RewardService",
+            security,
+            probe_s=probe_s,
+            wait_s=wait_s,
+            call_deadline_s=deadline_s,
+            coming_back=coming_back,
         )
         self.deadline_s = deadline_s
         self.chunk = chunk
+        self.max_attempts = max_attempts
 
     async def score(self, items: list[rw.RewardInput], request_id: str) -> list[rw.RewardResult]:
         """Results in the order of ``items``."""
         chunks = [items[i : i + self.chunk] for i in range(0, len(items), self.chunk)]
         out: list[list[rw.RewardResult] | None] = [None] * len(chunks)
         pending = list(range(len(chunks)))
+        tries = Attempts("reward: score chunk", self.max_attempts)
         while pending:
             reps = await self.available()
+            sent = [(c, reps[k % len(reps)]) for k, c in enumerate(pending)]
             answers = await asyncio.gather(
-                *(
-                    self._call(reps[k % len(reps)], chunks[c], f"{request_id}-{c}")
-                    for k, c in enumerate(pending)
-                )
+                *(self._call(rep, chunks[c], f"{request_id}-{c}") for c, rep in sent)
             )
             still = []
-            for c, a in zip(pending, answers, strict=True):
-                if a is None:
+            for (c, rep), a in zip(sent, answers, strict=True):
+                if isinstance(a, str):
                     still.append(c)  # its replica failed: re-issued to the others
+                    tries.failed(f"{request_id}-{c}", f"{rep.name}: {a}")
                 else:
                     out[c] = a
             pending = still
         return [r for chunk in out for r in chunk]  # type: ignore[union-attr]
 
-    async def _call(self, rep: Replica, chunk: list, rid: str) -> list[rw.RewardResult] | None:
+    async def _call(self, rep: Replica, chunk: list, rid: str) -> list[rw.RewardResult] | str:
+        """The chunk's results in its order, or why the replica failed it."""
         try:
             resp = await rwg.RewardServiceStub(rep.channel).Score(
                 rw.ScoreRequest(request_id=rid, items=chunk),
                 timeout=self.deadline_s,
                 metadata=logcontext.current(),
             )
-            return list(resp.results)
         except grpc.aio.AioRpcError as e:
             if e.code() not in _DOWN:
-                raise
-            self.mark_down(rep, f"{e.code().name} {e.details()}")
-            return None
+                raise ServiceRpcError(e, f"reward {rep.name} ({rep.address})", "Score") from None
+            why = f"{e.code().name} {e.details()}"
+        else:
+            if [r.sample_id for r in resp.results] == [x.sample_id for x in chunk]:
+                return list(resp.results)
+            # Results out of step with the items would give samples each other's rewards.
+            why = f"answered {len(resp.results)} results for {len(chunk)} items, not one per item in order"
+        self.mark_down(rep, why)
+        return why
 
 
 class LearnerClient:
-    """The learner's rank 0 as the coordinator calls it: one channel, the deadline on every call."""
+    """A learner's rank 0 as the coordinator calls it (the actor, or PPO's critic or reference:
+    ``name``): one channel, the deadline on every call, and every error naming the learner and
+    the call (``ServiceRpcError``)."""
 
-    def __init__(self, address: str, deadline: float, security: ClientSecurity | None = None):
+    def __init__(
+        self, address: str, deadline: float, security: ClientSecurity | None = None, name: str = "learner"
+    ):
         self.channel = client_channel(address, security, _OPTIONS)
         self.stub = lg.LearnerServiceStub(self.channel)
         self.deadline = deadline
+        self.name = f"{name} ({address})"
         self._forgetting: set[asyncio.Future] = set()  # UnregisterGenerator calls under way
+
+    async def _call(self, rpc: str, request):
+        try:
+            return await getattr(self.stub, rpc)(
+                request, timeout=self.deadline, metadata=logcontext.current()
+            )
+        except grpc.aio.AioRpcError as e:
+            raise ServiceRpcError(e, self.name, rpc) from None
 
     async def register_generator(self, replica_id: str, address: str) -> lp.RegisterGeneratorResponse:
         await self._forgotten()
         req = lp.RegisterGeneratorRequest(address=address, replica_id=replica_id)
-        return await self.stub.RegisterGenerator(req, timeout=self.deadline, metadata=logcontext.current())
+        return await self._call("RegisterGenerator", req)
 
     async def unregister_generator(self, replica_id: str) -> None:
-        req = lp.UnregisterGeneratorRequest(replica_id=replica_id)
-        await self.stub.UnregisterGenerator(req, timeout=self.deadline, metadata=logcontext.current())
+        await self._call("UnregisterGenerator", lp.UnregisterGeneratorRequest(replica_id=replica_id))
 
     def forget_soon(self, replica_id: str) -> None:
         """Unregister a replica that failed, without waiting (called from a pool's callback)."""
-        req = lp.UnregisterGeneratorRequest(replica_id=replica_id)
-        call = asyncio.ensure_future(
-            self.stub.UnregisterGenerator(req, timeout=self.deadline, metadata=logcontext.current())
-        )
+        call = asyncio.ensure_future(self.unregister_generator(replica_id))
         self._forgetting.add(call)
         call.add_done_callback(self._forget_done)
 
@@ -244,38 +312,33 @@ class LearnerClient:
     async def _forgotten(self) -> None:
         """Wait for the unregistrations under way. The learner takes calls in any order: a push
         that overtook one would broadcast to a dead member's group (and fail for every replica),
-        and a registration that overtook one would be undone by it."""
+        and a registration that overtook one would be undone by it. ``asyncio.wait``, not
+        ``gather``: a waiter that is cancelled must not cancel the calls for the others."""
         if self._forgetting:
-            await asyncio.gather(*self._forgetting, return_exceptions=True)
+            await asyncio.wait(set(self._forgetting), timeout=self.deadline)
 
     async def train_step(self, run_id: str, step: int, samples: list) -> lp.TrainStepResponse:
-        req = lp.TrainStepRequest(run_id=run_id, step=step, samples=samples)
-        return await self.stub.TrainStep(req, timeout=self.deadline, metadata=logcontext.current())
+        return await self._call("TrainStep", lp.TrainStepRequest(run_id=run_id, step=step, samples=samples))
 
     async def push_weights(self, version: int) -> lp.PushWeightsResponse:
         await self._forgotten()
-        return await self.stub.PushWeights(
-            lp.PushWeightsRequest(version=version), timeout=self.deadline, metadata=logcontext.current()
-        )
+        return await self._call("PushWeights", lp.PushWeightsRequest(version=version))
 
     async def save_checkpoint(self, path: str, tag: str, client_state_json: str) -> lp.SaveCheckpointResponse:
         req = lp.SaveCheckpointRequest(path=path, tag=tag, client_state_json=client_state_json)
-        return await self.stub.SaveCheckpoint(req, timeout=self.deadline, metadata=logcontext.current())
+        return await self._call("SaveCheckpoint", req)
 
     async def compute_values(self, run_id: str, sequences: list[lp.TokenSequence]) -> list[list[float]]:
-        req = lp.ComputeValuesRequest(run_id=run_id, sequences=sequences)
-        resp = await self.stub.ComputeValues(req, timeout=self.deadline, metadata=logcontext.current())
+        resp = await self._call("ComputeValues", lp.ComputeValuesRequest(run_id=run_id, sequences=sequences))
         return [list(v.values) for v in resp.values]
 
     async def compute_logprobs(self, run_id: str, sequences: list[lp.TokenSequence]) -> list[list[float]]:
         req = lp.ComputeLogprobsRequest(run_id=run_id, sequences=sequences)
-        resp = await self.stub.ComputeLogprobs(req, timeout=self.deadline, metadata=logcontext.current())
+        resp = await self._call("ComputeLogprobs", req)
         return [list(v.values) for v in resp.logprobs]
 
     async def load_checkpoint(self, path: str, tag: str) -> lp.LoadCheckpointResponse:
-        return await self.stub.LoadCheckpoint(
-            lp.LoadCheckpointRequest(path=path, tag=tag), timeout=self.deadline
-        )
+        return await self._call("LoadCheckpoint", lp.LoadCheckpointRequest(path=path, tag=tag))
 
     async def close(self) -> None:
         await self.channel.close()

@@ -8,11 +8,9 @@ schedule, service addresses) is the coordinator's.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
-from relayrl.common import config as cfg
 from relayrl.common.config import StrictModel
 from relayrl.common.serving import ClientSecurity, ServeConfig
 from relayrl.coordinator.ray_config import RaySection
@@ -44,15 +42,22 @@ class ModelSection(StrictModel):
     """When set and ``path`` is missing, build a tiny warm-started model there first."""
 
 
+MAX_GENERATED_ROWS = 50_000
+"""Most rows ``data.generate`` builds per file: one request must not hold a coordinator's memory
+and a run slot for minutes (at this bound: ~3 s and ~100 MB of countdown rows; ~17 s and
+~0.3 GB with 8 worked examples per prompt; a stop ends it at once)."""
+
+
 class TaskDataSpec(StrictModel):
     """Generate the dataset files when they are missing."""
 
     task: Task
     """Which built-in task."""
-    n_train: int = Field(2000, ge=1)
-    """Training prompts."""
-    n_test: int = Field(128, ge=0)
-    """Held-out prompts (disjoint from training)."""
+    n_train: int = Field(2000, ge=1, le=MAX_GENERATED_ROWS)
+    """Training prompts (at most 50,000: generated in memory before the run starts; write a
+    larger set with ``relayrl data`` and name it in ``data.train``)."""
+    n_test: int = Field(128, ge=0, le=MAX_GENERATED_ROWS)
+    """Held-out prompts (disjoint from training), at most 50,000."""
     seed: int = 0
     """Seed of the generator."""
     params: dict[str, int | bool | None] = Field(default_factory=dict)
@@ -124,7 +129,8 @@ class AlgorithmSection(StrictModel):
     in the actor's *loss* instead is ``learner.loss.kl_coef`` (its reference in-process)."""
     kl_penalty: Literal["k1", "k2", "k3", "abs"] = "k1"
     """Estimator of the KL in the reward: k1 = log(pi/ref), k2 = its square / 2, k3 = Schulman's
-    low-variance one, abs = |log(pi/ref)| (verl's ``kl_penalty``)."""
+    low-variance one, clamped per token to [-10, 10] as the actor's in-loss k3 is (the learner's
+    ``K3_BOUND``, verl's bound), abs = |log(pi/ref)| (verl's ``kl_penalty``)."""
     kl_target: float | None = Field(None, gt=0)
     """Adaptive KL controller (Ziegler et al. 2019; verl's ``AdaptiveKLController``): the KL per
     token it steers toward; None keeps ``kl_coef`` fixed. Its coefficient is checkpointed."""
@@ -135,6 +141,16 @@ class AlgorithmSection(StrictModel):
     the policy's first updates use values that mean something."""
     scale_std: bool = True
     """grpo only: divide by the group's reward std (off = Dr.GRPO's unbiased variant)."""
+    kl_reduction: Literal["token", "sequence"] = "token"
+    """Adaptive controller: the KL it compares with ``kl_target``. token: the mean over every
+    completion token of the batch (long completions weigh more); sequence: each completion's
+    mean per token, then the mean over completions (verl's). Up to 2x apart on mixed lengths."""
+    timeout_reward: float | None = Field(None, ge=-1e6, le=1e6)
+    """Reward of a sample whose scorer ran past its timeout (SCORE_STATUS_TIMEOUT). None: left
+    out of its group like a scorer ERROR, which is always left out (an infrastructure failure
+    is never trained on as a wrong answer, nor counted in the group's baseline). A number (e.g.
+    0.0): counted as that reward, for tasks where a completion that makes the scorer hang is
+    the model's fault (a program that never ends)."""
 
 
 class ScheduleSection(StrictModel):
@@ -211,6 +227,25 @@ class ServicesSection(StrictModel):
     """Most samples (prompts x n) in one Generate call: a replica's share of a larger batch or
     evaluation goes as several concurrent calls. Keep it at or under the generators'
     ``max_samples_per_request`` (default 16384), which they enforce."""
+    restarts: int = Field(3, ge=0, le=100)
+    """Embedded default: how many times a generator or reward replica that exits (a crash, an
+    OOM kill, a vLLM engine that died) is started again at its address, as Kubernetes or
+    compose would; the run takes it back into rotation. 0: never. A learner is never restarted:
+    its state lives in its checkpoints, so the run stops and resumes from them."""
+    max_attempts: int = Field(4, ge=1, le=100)
+    """How many times one piece of work (a prompt's samples, a chunk of scores) is sent to a
+    replica before the run fails, naming the replicas and their errors: work that fails every
+    time (a prompt that kills its generator, a replica that fails and comes back) must not be
+    sent again forever."""
+    max_reward_error_fraction: float = Field(0.5, ge=0, le=1)
+    """A step in which the reward service failed to score more than this share of the samples
+    (ERROR, and TIMEOUT when ``algorithm.timeout_reward`` is None) fails the run, naming the
+    reward service and one of its errors: a broken verifier must not train silently on the rest."""
+    stop_grace_seconds: float = Field(600.0, ge=0, le=86400)
+    """After a stop (Ctrl-C, SIGTERM, StopExperiment), how long the run may take to end its step
+    and write a checkpoint before it is cancelled (it then ends without that checkpoint; a
+    second Ctrl-C or Stop cancels at once). Give a scheduler's kill timeout (Kubernetes'
+    terminationGracePeriodSeconds, Slurm's --signal) more than this."""
     replica_wait_seconds: float = Field(600.0, ge=0, le=86400)
     """How long generation or scoring waits for a replica to come back when every replica of
     that service failed (a restarted container takes minutes to serve again); replicas out of
@@ -340,6 +375,15 @@ class ExperimentConfig(StrictModel):
         ):
             if n > per_call:
                 raise ValueError(f"{name} ({n}) exceeds services.generator_samples_per_call ({per_call})")
+        if (  # set so by hand (the derive step lowers the default: derive.py)
+            self.services.embedded
+            and "weight_sync_timeout_seconds" in self.learner.model_fields_set
+            and self.learner.weight_sync_timeout_seconds >= self.services.deadline_seconds
+        ):
+            raise ValueError(
+                "learner.weight_sync_timeout_seconds must be below services.deadline_seconds: the learner "
+                "names a generator that does not answer a push only if the coordinator's call waits longer"
+            )
         if not self.services.embedded:
             for role, need in (("critic", self.needs_critic), ("reference", self.needs_reference)):
                 if need and not getattr(self.services, role):
@@ -364,107 +408,12 @@ class CoordinatorServeConfig(StrictModel):
     """Where the coordinator listens."""
     root: str = "."
     """Folder every path of an experiment sent by StartExperiment must lie in (runs_dir, data files,
-    model folder, resume_from); relative paths resolve under it. Default: the working folder."""
+    model folders, learner checkpoint_dir, certificate, key and token files, resume_from); relative
+    paths resolve under it. Keep the coordinator's own secrets outside it: a token file inside
+    could be named by an experiment and sent to the addresses it gives. Default: the working
+    folder."""
     max_running: int = Field(1, ge=1, le=256)
     """Experiments running at once; StartExperiment beyond it is RESOURCE_EXHAUSTED (an embedded
     experiment starts a learner, generators and reward processes of its own)."""
     max_config_kib: int = Field(1024, ge=1, le=65536)
     """Largest config_yaml accepted, in KiB."""
-
-
-def resolve_paths(exp: ExperimentConfig, base: Path | None) -> ExperimentConfig:
-    """Make paths absolute (relative ones against ``base``, or the working folder) and fill the
-    service sections from the experiment's own fields."""
-    base = base or Path.cwd()
-
-    def rel(p: str) -> str:
-        return str(p if Path(p).is_absolute() else (base / p).resolve())
-
-    updates = {
-        "model": exp.model.model_copy(update={"path": rel(exp.model.path)}),
-        "data": exp.data.model_copy(
-            update={"train": rel(exp.data.train), "test": rel(exp.data.test) if exp.data.test else None}
-        ),
-        "runs_dir": rel(exp.runs_dir),
-    }
-    exp = exp.model_copy(update=updates)
-    _resolve_security_paths(exp, rel)
-    if not exp.generator.engine.model:
-        exp.generator.engine.model = exp.model.path
-    if not exp.learner.model:
-        exp.learner.model = exp.model.path
-    # The learner scores tokens like the generators sample them, and Dr.GRPO divides by the
-    # longest completion allowed.
-    exp.learner.loss.temperature = exp.sampling.temperature or 1.0
-    if exp.learner.loss.max_tokens_normaliser is None:
-        exp.learner.loss.max_tokens_normaliser = exp.sampling.max_tokens
-    _fill_roles(exp)
-    return exp
-
-
-INHERITED = {
-    "critic": ("model", "dtype", "world_size", "zero_stage", "micro_batch_tokens", "gradient_checkpointing",
-               "logits_chunk_mib", "optim", "security", "checkpoint_dir"),
-    "reference": ("model", "dtype", "zero_stage", "micro_batch_tokens", "logits_chunk_mib", "security",
-                  "checkpoint_dir"),
-}  # fmt: skip
-"""What the critic and the reference take from the learner section where their own leaves a field
-unset (nested fields one by one: ``critic.optim.lr`` alone keeps the learner's schedule)."""
-
-
-def _fill_roles(exp: ExperimentConfig) -> None:
-    """The critic and reference sections the algorithm needs, from the learner's where unset."""
-    if exp.needs_critic:
-        exp.critic = _role(exp.critic, "critic", exp)
-    if exp.needs_reference:
-        exp.reference = _role(exp.reference, "reference", exp)
-
-
-def _merge(base: dict, given: dict) -> dict:
-    out = dict(base)
-    for k, v in given.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-SERVE_INHERITED = {
-    "tls_cert",
-    "tls_key",
-    "tls_client_ca",
-    "token_file",
-    "insecure",
-    "max_message_mb",
-    "grace_seconds",
-}
-"""Who may call the critic and the reference, as the learner (its ``serve`` section less where it
-listens: the roles listen on ports of their own)."""
-
-
-def _role(section: LearnerConfig | None, role: str, exp: ExperimentConfig) -> LearnerConfig:
-    base = exp.learner.model_dump(include=set(INHERITED[role]))
-    base["serve"] = exp.learner.serve.model_dump(include=SERVE_INHERITED)
-    given = section.model_dump(exclude_unset=True) if section is not None else {}
-    out = LearnerConfig.model_validate({**_merge(base, given), "role": role})
-    out.loss.temperature = exp.learner.loss.temperature  # log-probs as the generators sample
-    return out
-
-
-def _resolve_security_paths(exp: ExperimentConfig, rel) -> None:
-    """Certificate, key and token paths against the experiment's folder, like the other paths;
-    the learner calls the generators as the coordinator does unless its section says otherwise."""
-    roles = [r for r in (exp.critic, exp.reference) if r is not None]
-    for section in (exp.services.security, exp.learner.security, *(r.security for r in roles)):
-        for name in ("ca", "cert", "key", "token_file"):
-            if getattr(section, name):
-                setattr(section, name, rel(getattr(section, name)))
-    for serve in (exp.generator.serve, exp.learner.serve, exp.reward.serve, *(r.serve for r in roles)):
-        for name in ("tls_cert", "tls_key", "tls_client_ca", "token_file"):
-            if getattr(serve, name):
-                setattr(serve, name, rel(getattr(serve, name)))
-    if exp.learner.security == ClientSecurity():
-        exp.learner.security = exp.services.security.model_copy()
-
-
-def load_experiment(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
-    """Load an experiment file; relative paths in it resolve against the file's folder."""
-    return resolve_paths(cfg.load(ExperimentConfig, path, overrides), Path(path).resolve().parent)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from pathlib import Path
 
 from relayrl.coordinator.clients import GeneratorPool, LearnerClient, RewardPool
@@ -14,6 +15,8 @@ from relayrl.coordinator.loop import Experiment
 from relayrl.coordinator.runfolder import rewind_records
 from relayrl.coordinator.service_set import ServiceSet
 from relayrl.coordinator.trackers import Trackers
+
+logger = logging.getLogger(__name__)
 
 
 async def drive(
@@ -32,20 +35,36 @@ async def drive(
     test_rows = load_rows(cfg.data.test) if cfg.data.test else []
     deadline, security = cfg.services.deadline_seconds, cfg.services.security
     learner = LearnerClient(services.learner, deadline, security)
-    critic = LearnerClient(services.critic, deadline, security) if services.critic else None
-    reference = LearnerClient(services.reference, deadline, security) if services.reference else None
+    critic = LearnerClient(services.critic, deadline, security, "critic") if services.critic else None
+    reference = (
+        LearnerClient(services.reference, deadline, security, "reference") if services.reference else None
+    )
     wait_s = cfg.services.replica_wait_seconds
+
+    weights_lock = asyncio.Lock()  # held by the loop while the policy version moves
 
     async def readmit(name: str, address: str) -> None:
         """A generator serving again after a failure (a restarted container holds the initial
-        weights): registered anew, and given the learner's current weights before it samples."""
+        weights): registered anew, and given the learner's current weights before it samples.
+        Not while a train step and its push are under way: the version would move between the
+        registration and this push, which the learner then refuses as not current."""
+        # wait: the loop holds it only around a train step and its push (calls under deadlines)
+        async with weights_lock:
+            await _readmit(name, address)
+
+    async def _readmit(name: str, address: str) -> None:
         reg = await learner.register_generator(name, address)
         try:
             await learner.push_weights(reg.policy_version)
-        except BaseException:
-            # Left registered, a replica that failed again would fail every later push.
-            await learner.unregister_generator(name)
-            raise
+        except BaseException as e:
+            # Left registered, a replica that failed again would fail every later push. The
+            # clean-up's own failure is only logged: raised, it would replace the push's error,
+            # or a cancellation (Ctrl-C), which the rotation would then take for a failed try.
+            try:
+                await learner.unregister_generator(name)
+            except Exception as cleanup:
+                logger.warning("unregistering %s after a failed readmission: %r", name, cleanup)
+            raise e
 
     # A dead generator must not fail every later push: the learner forgets it until it is back.
     gens = GeneratorPool(
@@ -56,8 +75,17 @@ async def drive(
         readmit=readmit,
         wait_s=wait_s,
         samples_per_call=cfg.services.generator_samples_per_call,
+        max_attempts=cfg.services.max_attempts,
+        coming_back=services.coming_back,
     )
-    rewards = RewardPool(services.rewards, deadline, security=security, wait_s=wait_s)
+    rewards = RewardPool(
+        services.rewards,
+        deadline,
+        security=security,
+        wait_s=wait_s,
+        max_attempts=cfg.services.max_attempts,
+        coming_back=services.coming_back,
+    )
     trackers = Trackers(
         cfg.tracking, run_dir, cfg.model_dump(mode="json"), resume_step=state["step"] if state else None
     )
@@ -67,20 +95,23 @@ async def drive(
         if on_record:
             on_record(rec)
 
-    exp = Experiment(cfg, run_dir, train_rows, test_rows, gens, rewards, learner, record, critic, reference)
+    exp = Experiment(
+        cfg, run_dir, train_rows, test_rows, gens, rewards, learner, record, critic, reference, weights_lock
+    )
     if stop is not None:
         exp.stop_requested = stop
     try:
         for name, addr in services.generators.items():
             await learner.register_generator(name, addr)
         if state is not None:
+            rewind_records(run_dir, state["step"], "ledger.jsonl")
             await exp.resume(state["tag"], rewind_records(run_dir, state["step"]))
             print(f"resumed {run_dir.name} at step {exp.pos.step} (policy version {exp.version})", flush=True)
         await exp.run()
     finally:
         await gens.close()
         await rewards.close()
-        trackers.close()
+        await trackers.aclose()
         for client in (learner, critic, reference):
             if client is not None:
                 await client.close()

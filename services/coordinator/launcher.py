@@ -2,17 +2,37 @@
 
 Each service runs as ``relayrl serve <svc> --config <its section> --port 0 --port-file F`` in its
 own process group, logs to a file, and is stopped by SIGTERM to that group (then SIGKILL after a
-grace period). Every command is returned so the run folder can record it.
+grace period). Every command is returned so the run folder can record it. On Linux a service also
+gets SIGTERM from the kernel when the process that started it dies (``PR_SET_PDEATHSIG``): a
+coordinator killed with SIGKILL or by the OOM killer leaves no services behind, holding memory,
+ports and GPUs (torchrun passes the SIGTERM on to the learner's ranks).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+_prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None) if sys.platform == "linux" else None
+
+
+def _exits_with(parent: int):
+    """``preexec_fn`` (between fork and exec, in the child): SIGTERM once ``parent`` is gone.
+    Resolved before the fork: the child only makes the one system call."""
+
+    def arm() -> None:
+        if _prctl is not None:
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != parent:  # it died before the call: nobody would send the signal
+                os._exit(1)
+
+    return arm
 
 
 class ServiceProcess:
@@ -45,6 +65,7 @@ class ServiceProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_exits_with(os.getpid()),
             env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})},
         )
         self.address: str | None = None
@@ -98,25 +119,50 @@ class ServiceProcess:
     def stop(self, grace: float = 60.0) -> int | None:
         """SIGTERM the process group (torchrun forwards it to its workers), wait ``grace``
         seconds, then SIGKILL whatever is left of the tree."""
-        if self.alive():
-            tree = self._tree()
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
-            except ProcessLookupError:
-                pass
-            for p in tree:
-                try:
-                    p.wait(timeout=max(1.0, grace / 4))
-                except Exception:
-                    try:
-                        p.kill()
-                    except Exception:
-                        pass
-            if self.alive():
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        stop_all([self], grace)
         return self.proc.returncode
+
+    def _terminate(self) -> list:
+        """SIGTERM to the process group; returns the tree as it was (to reap or kill later)."""
+        if not self.alive():
+            return []
+        tree = self._tree()
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        for p in tree:  # a stopped (SIGSTOP) process handles it only once continued
+            try:
+                p.resume()
+            except Exception:  # gone already
+                pass
+        return tree
+
+    def _finish(self, tree: list, deadline: float) -> None:
+        """Wait for the tree until ``deadline`` (monotonic), then SIGKILL what is left."""
+        try:
+            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        for p in tree:
+            try:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except Exception:
+                try:
+                    p.kill()
+                except Exception:
+                    pass
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def stop_all(procs: list[ServiceProcess], grace: float = 60.0) -> None:
+    """Stop ``procs`` together: SIGTERM to every group first, then one shared ``grace`` for all
+    of them, then SIGKILL. One by one, a run's teardown took the sum of their drains (minutes
+    with several generators, each draining requests and leaving its weight-sync group)."""
+    trees = [(p, p._terminate()) for p in procs]
+    deadline = time.monotonic() + grace
+    for p, tree in trees:
+        p._finish(tree, deadline)

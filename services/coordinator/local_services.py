@@ -1,14 +1,19 @@
-"""The services of a run as local processes (the embedded default of ``relayrl run``)."""
+"""The services of a run as local processes (the embedded default of ``relayrl run``), with a
+supervisor that starts a crashed generator or reward replica again at its address."""
 
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import time
 from pathlib import Path
 
 from relayrl.common import config as cfg_mod
 from relayrl.coordinator.config import ExperimentConfig
-from relayrl.coordinator.launcher import ServiceProcess
+from relayrl.coordinator.launcher import ServiceProcess, stop_all
+
+logger = logging.getLogger(__name__)
 
 
 def learner_section(cfg: ExperimentConfig, run_dir: Path, role: str = "learner"):
@@ -41,8 +46,15 @@ class LocalServices:
         self.learner = ""
         self.critic = ""
         self.reference = ""
+        self.restarted: dict[str, int] = {}  # name -> restarts so far
+        self.restarting: set[str] = set()  # names being started again now
+        self._lock = threading.Lock()  # procs, between the supervisor and stop()
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
 
-    def _start(self, name: str, service: str, section, extra: list[str], devices: str = "") -> ServiceProcess:
+    def _start(
+        self, name: str, service: str, section, extra: list[str], devices: str = "", restart: int = 0
+    ) -> ServiceProcess:
         path = self.run_dir / "services" / f"{name}.yaml"
         path.parent.mkdir(exist_ok=True)
         path.write_text(cfg_mod.dump_yaml(section))
@@ -52,11 +64,15 @@ class LocalServices:
         proc = ServiceProcess(
             name, [service, "--config", str(path), "--port", "0", *extra], self.run_dir / "logs", env=env
         )
+        entry = {"name": name, "command": proc.command, "env": env, "time": time.time()}
         with open(self.run_dir / "launch.jsonl", "a") as f:
-            f.write(
-                json.dumps({"name": name, "command": proc.command, "env": env, "time": time.time()}) + "\n"
-            )
-        self.procs.append(proc)
+            f.write(json.dumps({**entry, "restart": restart} if restart else entry) + "\n")
+        with self._lock:
+            late = self._stopping.is_set()  # a restart that raced stop(): not left behind
+            if not late:
+                self.procs.append(proc)
+        if late:
+            proc.stop(grace=10)
         return proc
 
     def start(self, timeout: float = 600.0) -> None:
@@ -90,7 +106,67 @@ class LocalServices:
         self.reference = ready.get("reference", "")
         self.generators = {p.name: p.wait_ready(timeout) for p in gens}
         self.rewards = {p.name: p.wait_ready(timeout) for p in rewards}
+        if c.services.restarts:
+            self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
+            self._supervisor.start()
+
+    def _supervise(self, every_s: float = 1.0) -> None:
+        """Start a generator or reward replica that exited again, at its address (its port):
+        the coordinator's rotation probes it and takes it back, a generator after a push of the
+        current weights. At most ``services.restarts`` times each."""
+        while not self._stopping.wait(every_s):
+            with self._lock:
+                dead = [p for p in self.procs if not p.alive() and p.name.startswith(("gen-", "reward-"))]
+            for old in dead:
+                n = self.restarted.get(old.name, 0) + 1
+                if n > self.cfg.services.restarts or self._stopping.is_set():
+                    continue
+                self.restarted[old.name] = n
+                self.restarting.add(old.name)
+                try:
+                    self._restart(old, n)
+                finally:
+                    self.restarting.discard(old.name)
+
+    def _restart(self, old: ServiceProcess, n: int) -> None:
+        address = self.generators.get(old.name) or self.rewards[old.name]
+        logger.warning(
+            "%s exited (code %s); starting it again at %s (restart %d of %d)",
+            old.name,
+            old.proc.returncode,
+            address,
+            n,
+            self.cfg.services.restarts,
+        )
+        with self._lock:
+            self.procs.remove(old)
+        old.stop(grace=0)  # reaps it and closes its log
+        c = self.cfg
+        gen = old.name.startswith("gen-")
+        i = int(old.name.rsplit("-", 1)[1])
+        dev = c.services.generator_devices
+        extra = ["--replica-id", old.name] if gen else []
+        extra += ["--port", address.rsplit(":", 1)[1]]  # after --port 0: the last one counts
+        proc = self._start(
+            old.name,
+            "generator" if gen else "reward",
+            c.generator if gen else c.reward,
+            extra,
+            dev[i] if gen and i < len(dev) else "",
+            restart=n,
+        )
+        try:
+            proc.wait_ready(600)
+        except RuntimeError as e:  # it fails again: the next round tries once more, within budget
+            logger.warning("%s did not come back: %s", old.name, e)
+
+    def coming_back(self, name: str) -> bool:
+        return name in self.restarting
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=5)
+        with self._lock:
+            procs = list(self.procs)
+        stop_all(procs)

@@ -31,8 +31,9 @@ from pathlib import Path
 
 import grpc
 from relayrl.common import logcontext
+from relayrl.common.data.dataset import atomic_write
 from relayrl.common.v1 import common_pb2
-from relayrl.coordinator.batch import Rollout, TrainBatch, nothing, train_batch
+from relayrl.coordinator.batch import Rollout, TrainBatch, nothing, reward_stats, scored_reward, train_batch
 from relayrl.coordinator.clients import GeneratorPool, LearnerClient, RewardPool
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.token_advantages import adaptive_kl_coef
@@ -85,7 +86,10 @@ class Experiment:
         on_record: Callable[[dict], None] | None = None,
         critic: LearnerClient | None = None,
         reference: LearnerClient | None = None,
+        weights_lock: asyncio.Lock | None = None,
     ):
+        """``weights_lock``: held while the policy version moves (a train step and its push), so
+        that a generator readmitted meanwhile is pushed a version that stays current."""
         self.cfg = cfg
         self.run_dir = run_dir
         self.train_rows = train_rows
@@ -99,8 +103,11 @@ class Experiment:
         self.critic_step = 0
         self.pos = Position()
         self.version = 0
+        self.saved_step: int | None = None  # the step of the last checkpoint written or loaded
+        self.inflight: asyncio.Future | None = None  # the rollout being generated
         self.on_record = on_record
         self.stop_requested = asyncio.Event()
+        self.weights_lock = weights_lock or asyncio.Lock()
         self.deadline = cfg.services.deadline_seconds
         self.records: list[dict] = []
 
@@ -179,25 +186,7 @@ class Experiment:
             groups.append((row, samples[pid], results[k : k + n]))
             k += n
         tokens = sum(len(s.completion_token_ids) for v in samples.values() for s in v)
-        return Rollout(groups, {"generate": t1 - t0, "score": t2 - t1}, tokens)
-
-    @staticmethod
-    def reward_stats(ro: Rollout) -> dict[str, float]:
-        results = [r for _, _, rs in ro.groups for r in rs]
-        samples = [s for _, ss, _ in ro.groups for s in ss]
-        comps: dict[str, list[float]] = {}
-        for r in results:
-            for k, v in r.components.items():
-                comps.setdefault(k, []).append(v)
-        lengths = [len(s.completion_token_ids) for s in samples]
-        stats = {
-            "reward_mean": sum(r.reward for r in results) / max(1, len(results)),
-            "reward_errors": sum(r.status != rw.SCORE_STATUS_OK for r in results),
-            "completion_len_mean": sum(lengths) / max(1, len(lengths)),
-            "completion_len_max": max(lengths, default=0),
-        }
-        stats.update({f"reward_{k}": sum(v) / len(v) for k, v in comps.items()})
-        return stats
+        return Rollout(groups, {"generate": t1 - t0, "score": t2 - t1}, tokens, [pid for pid, _ in batch])
 
     async def train_batch(self, ro: Rollout) -> TrainBatch:
         return await train_batch(
@@ -206,18 +195,22 @@ class Experiment:
 
     async def evaluate(self) -> float:
         """Held-out accuracy: the share of completions whose answer is correct (one greedy
-        completion per row, or ``schedule.eval_samples`` sampled ones)."""
+        completion per row, or ``schedule.eval_samples`` sampled ones), among those the reward
+        service scored (a scorer's failure is no wrong answer; too many of them stop the run,
+        as in training)."""
         if not self.test_rows:
             return float("nan")
         batch = [(f"test-{i}", row) for i, row in enumerate(self.test_rows)]
         ro = await self.rollout(batch, evaluation=True, tag=f"eval{self.pos.step}")
-        results = [r for _, _, rs in ro.groups for r in rs]
+        reward_stats(self.cfg, ro)  # ScoringFailed past services.max_reward_error_fraction
+        timeout_reward = self.cfg.algorithm.timeout_reward
+        scored = [r for _, _, rs in ro.groups for r in rs if scored_reward(r, timeout_reward) is not None]
         hits = sum(
             r.status == rw.SCORE_STATUS_OK
             and r.components.get("correctness", 1.0 if r.reward >= 1.0 else 0.0) >= 1.0
-            for r in results
+            for r in scored
         )
-        return hits / max(1, len(results))
+        return hits / len(scored) if scored else float("nan")
 
     async def evaluate_alone(self, pending: asyncio.Future | None) -> dict[str, float]:
         """``evaluate`` once ``pending`` (the batch in flight) has finished generating: the
@@ -225,10 +218,28 @@ class Experiment:
         and the batch's generation time stays true. Returns accuracy, the wait and the eval time."""
         t0 = time.monotonic()
         if pending is not None:
-            await asyncio.wait({pending})  # its result or error is taken by the next step
+            await self.unless_stopped(pending)  # its result or error is taken by the next step
         t1 = time.monotonic()
-        accuracy = await self.evaluate()
-        return {"eval_accuracy": accuracy, "waited": t1 - t0, "time_eval": time.monotonic() - t1}
+        evaluation = asyncio.ensure_future(self.evaluate())
+        if not await self.unless_stopped(evaluation):  # a stop skips it: nothing to lose
+            evaluation.cancel()
+            # wait: cancelled just above: it ends at its current await (a gRPC call ends at once)
+            await asyncio.gather(evaluation, return_exceptions=True)
+            return {"waited": t1 - t0}
+        return {"eval_accuracy": evaluation.result(), "waited": t1 - t0, "time_eval": time.monotonic() - t1}
+
+    async def unless_stopped(self, work: asyncio.Future) -> bool:
+        """Wait for ``work`` unless a stop is requested first. True when ``work`` is done;
+        False when the stop came first (``work`` goes on: the caller cancels it or not). Only
+        work that changes no state is waited for this way: generation, scoring, evaluation."""
+        stop = asyncio.ensure_future(self.stop_requested.wait())
+        try:
+            # wait: ``work`` ends by itself: each of its calls has a deadline and a number of
+            # attempts (services.deadline_seconds, max_attempts, replica_wait_seconds)
+            await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        return work.done()
 
     async def push(self) -> tuple[float, int]:
         """New weights to every generator; the learner checks each bucket's checksum on every
@@ -264,6 +275,12 @@ class Experiment:
         return {**asdict(self.pos), "kl_coef": self.kl_coef, "critic_step": self.critic_step}
 
     async def checkpoint(self) -> None:
+        """Save the learner (and critic) under ``step<N>``, then name that tag in
+        ``coordinator.json``. A step that has its checkpoint already is not saved again: the
+        learner would overwrite the tag in place while ``coordinator.json`` names it, and a
+        crash then would corrupt the only checkpoint a resume can use."""
+        if self.saved_step == self.pos.step:
+            return
         tag = f"step{self.pos.step}"
         state = json.dumps(self._state())
         await asyncio.gather(
@@ -272,9 +289,11 @@ class Experiment:
             if self.critic
             else nothing(),
         )
-        (self.run_dir / "checkpoints" / "coordinator.json").write_text(
-            json.dumps({"tag": tag, **self._state()}) + "\n"
-        )
+        text = json.dumps({"tag": tag, **self._state()}) + "\n"
+        # Readers see the old file or the new one, never half of one (a crash mid-write would
+        # leave a run that cannot resume although the learner's tag exists).
+        atomic_write(self.run_dir / "checkpoints" / "coordinator.json", lambda tmp: tmp.write_text(text))
+        self.saved_step = self.pos.step
 
     async def resume(self, tag: str, records: list[dict]) -> None:
         """Continue from the checkpoint ``tag``: the learner (and critic) load it, the data
@@ -292,13 +311,21 @@ class Experiment:
             self.kl_coef = state.get("kl_coef", self.cfg.algorithm.kl_coef)
         self.critic_step = critic.step if critic is not None else 0
         self.version = loaded.policy_version
+        self.saved_step = self.pos.step
         self.records = records
         if self.version:
             await self.push()  # fresh generators hold the initial weights
 
-    def record(self, values: dict) -> None:
+    def record(self, values: dict, prompt_ids: list[str] | None = None) -> None:
+        """Append the step's metrics to ``metrics.jsonl`` and, for a trained step, the prompts
+        it consumed to ``ledger.jsonl`` (what shows that a resume loses no prompt and trains
+        none twice); both are rewound together on resume."""
         rec = {"step": self.pos.step, "time": time.time(), **values}
         self.records.append(rec)
+        if prompt_ids is not None:
+            entry = {"step": self.pos.step, "policy_version": self.version, "prompts": prompt_ids}
+            with open(self.run_dir / "ledger.jsonl", "a") as f:
+                f.write(json.dumps(entry) + "\n")
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
         if self.on_record:
@@ -306,108 +333,135 @@ class Experiment:
 
     # -- the loop --------------------------------------------------------------------------
     async def run(self) -> None:
+        """Steps until ``schedule.steps`` or a stop. A stop (``stop_requested``) ends the run at
+        the next step boundary with a checkpoint: generation and evaluation under way are
+        abandoned (they change nothing), a train step under way ends first. A generation
+        task left behind by an error is cancelled, never left running."""
+        try:
+            sched = self.cfg.schedule
+            if self.pos.step == 0 and sched.eval_every:
+                ev = await self.evaluate_alone(None)
+                del ev["waited"]
+                if ev:
+                    self.record(ev)
+            nxt = self._generate(self.pos)
+            while self.pos.step < sched.steps and not self.stop_requested.is_set():
+                nxt = await self._step(nxt)
+        finally:
+            if self.inflight is not None and not self.inflight.done():
+                self.inflight.cancel()
+                # wait: cancelled just above: it ends at its current await (a gRPC call ends at once)
+                await asyncio.gather(self.inflight, return_exceptions=True)
+        await self.checkpoint()
+
+    def _generate(self, pos: Position) -> Position:
+        """Start the rollout of the prompts after ``pos`` (``inflight``); returns where they end."""
+        batch, nxt = self.next_prompts(pos)
+        self.inflight = asyncio.ensure_future(self.rollout(batch))
+        return nxt
+
+    async def _step(self, nxt: Position) -> Position:
+        """One step on the rollout ``inflight`` (the prompts up to ``nxt``); returns where the
+        prompts of the next rollout under way end. Returns at once, changing nothing, when a
+        stop comes while the rollout is still generating."""
         sched = self.cfg.schedule
-        if self.pos.step == 0 and sched.eval_every:
-            ev = await self.evaluate_alone(None)
-            del ev["waited"]
-            self.record(ev)
-        batch, nxt = self.next_prompts(self.pos)
-        pending = asyncio.ensure_future(self.rollout(batch))
-        while self.pos.step < sched.steps and not self.stop_requested.is_set():
-            # This task's log lines and calls carry the run, the step under way and the policy
-            # version (the services log them too: one grep follows a step everywhere).
-            logcontext.RUN_ID.set(self.run_dir.name)
-            logcontext.STEP.set(str(self.pos.step + 1))
-            logcontext.VERSION.set(str(self.version))
-            t_wait = time.monotonic()
-            ro = await pending
-            idle = time.monotonic() - t_wait
-            pos_after = nxt
-            last = self.pos.step + 1 >= sched.steps
-            if sched.max_staleness >= 1 and not last:  # overlap: next batch generates during training
-                batch, nxt = self.next_prompts(pos_after)
-                pending = asyncio.ensure_future(self.rollout(batch))
-            t_batch = time.monotonic()
-            tb = await self.train_batch(ro)
-            samples, stats = tb.actor, tb.stats
-            t0 = time.monotonic()
-            if tb.critic or self.reference:
-                stats["time_values"] = t0 - t_batch  # ComputeValues / ComputeLogprobs
-            # The actor waits out the critic's warm-up; the critic trains in the same step.
-            if self.pos.step < self.cfg.algorithm.critic_warmup:
-                samples = []
-            actor_resp, critic_resp = await asyncio.gather(
-                self.learner.train_step(self.run_dir.name, self.version + 1, samples)
-                if samples
-                else nothing(),
-                self.critic.train_step(self.run_dir.name, self.critic_step + 1, tb.critic)
-                if tb.critic
-                else nothing(),
-            )
-            train_metrics: dict[str, float] = {}
-            if actor_resp is not None:
-                self.version = actor_resp.policy_version
-                m = actor_resp.metrics
-                train_metrics = {
-                    "loss": m.loss,
-                    "kl": m.kl,
-                    "entropy": m.entropy,
-                    "clip_fraction": m.clip_fraction,
-                    "grad_norm": m.grad_norm,
-                    "lr": m.lr,
-                    "train_tokens": m.tokens,
-                    # rank 0's memory: peak (CUDA allocator, or RSS on CPU) and host RSS now
-                    "learner_peak_memory_mb": m.extra.get("peak_memory_mb", float("nan")),
-                    "learner_resident_mb": m.extra.get("resident_memory_mb", float("nan")),
-                }
-            if critic_resp is not None:
-                self.critic_step = critic_resp.step
-                m = critic_resp.metrics
-                train_metrics.update(
-                    {
-                        "critic_loss": m.loss,
-                        "critic_clip_fraction": m.clip_fraction,
-                        "critic_grad_norm": m.grad_norm,
-                        "critic_vf_mse": m.extra.get("vf_mse", float("nan")),
-                    }
-                )
-            # The controller follows the actor's drift: not while the critic warms up alone.
-            if self.cfg.algorithm.kl_target is not None and "kl_reward" in stats and samples:
-                a = self.cfg.algorithm
-                self.kl_coef = adaptive_kl_coef(
-                    self.kl_coef, stats["kl_reward"], a.kl_target, a.kl_horizon, len(tb.actor)
-                )
+        # This task's log lines and calls carry the run, the step under way and the policy
+        # version (the services log them too: one grep follows a step everywhere).
+        logcontext.RUN_ID.set(self.run_dir.name)
+        logcontext.STEP.set(str(self.pos.step + 1))
+        logcontext.VERSION.set(str(self.version))
+        t_wait = time.monotonic()
+        if not await self.unless_stopped(self.inflight):
+            return nxt
+        ro = self.inflight.result()
+        idle = time.monotonic() - t_wait
+        pos_after = nxt
+        last = self.pos.step + 1 >= sched.steps
+        reward = reward_stats(self.cfg, ro)
+        if sched.max_staleness >= 1 and not last:  # overlap: next batch generates during training
+            nxt = self._generate(pos_after)
+        t_batch = time.monotonic()
+        tb = await self.train_batch(ro)
+        samples, stats = tb.actor, tb.stats
+        t0 = time.monotonic()
+        if tb.critic or self.reference:
+            stats["time_values"] = t0 - t_batch  # ComputeValues / ComputeLogprobs
+        # The actor waits out the critic's warm-up; the critic trains in the same step.
+        if self.pos.step < self.cfg.algorithm.critic_warmup:
+            samples = []
+        # wait: a readmission holds it only around a registration and a push (calls under deadlines)
+        async with self.weights_lock:
+            train_metrics = await self._train(samples, tb.critic)
             t1 = time.monotonic()
             sync, synced = await self.push() if samples else (0.0, 0)
-            self.pos = Position(self.pos.step + 1, pos_after.epoch, pos_after.index)
-            if sched.max_staleness == 0 and not last:
-                batch, nxt = self.next_prompts(self.pos)
-                pending = asyncio.ensure_future(self.rollout(batch))
-            values = {
-                **self.reward_stats(ro),
-                **stats,
-                **train_metrics,
-                "policy_version": self.version,
-                "train_samples": len(samples),
-                "groups": len(ro.groups),
-                "synced_replicas": synced,
-                "healthy_generators": len(self.gen.healthy()),
-                "gen_tokens": ro.gen_tokens,
-                "gen_tokens_per_s": ro.gen_tokens / max(1e-9, ro.seconds["generate"]),
-                "time_generate": ro.seconds["generate"],
-                "time_score": ro.seconds["score"],
-                "time_train": t1 - t0,
-                "time_sync": sync,
-                "time_idle": idle,
+        # The controller follows the actor's drift: not while the critic warms up alone.
+        a = self.cfg.algorithm
+        if a.kl_target is not None and "kl_reward" in stats and samples:
+            observed = stats["kl_reward" if a.kl_reduction == "token" else "kl_reward_per_sequence"]
+            self.kl_coef = adaptive_kl_coef(self.kl_coef, observed, a.kl_target, a.kl_horizon, len(tb.actor))
+        self.pos = Position(self.pos.step + 1, pos_after.epoch, pos_after.index)
+        if sched.max_staleness == 0 and not last:
+            nxt = self._generate(self.pos)
+        values = {
+            **reward,
+            **stats,
+            **train_metrics,
+            "policy_version": self.version,
+            "train_samples": len(samples),
+            "groups": len(ro.groups),
+            "synced_replicas": synced,
+            "healthy_generators": len(self.gen.healthy()),
+            "gen_tokens": ro.gen_tokens,
+            "gen_tokens_per_s": ro.gen_tokens / max(1e-9, ro.seconds["generate"]),
+            "time_generate": ro.seconds["generate"],
+            "time_score": ro.seconds["score"],
+            "time_train": t1 - t0,
+            "time_sync": sync,
+            "time_idle": idle,
+        }
+        if sched.eval_every and (self.pos.step % sched.eval_every == 0 or self.pos.step == sched.steps):
+            ev = await self.evaluate_alone(self.inflight)
+            values["time_idle"] += ev.pop("waited")
+            values.update(ev)
+        self.record(values, ro.prompt_ids)
+        if sched.checkpoint_every and self.pos.step % sched.checkpoint_every == 0:
+            await self.checkpoint()
+        return nxt
+
+    async def _train(self, samples: list, critic_samples: list) -> dict[str, float]:
+        """The actor's and the critic's train steps (either may have nothing to do); the new
+        policy version and step counts kept; returns their metrics."""
+        actor_resp, critic_resp = await asyncio.gather(
+            self.learner.train_step(self.run_dir.name, self.version + 1, samples) if samples else nothing(),
+            self.critic.train_step(self.run_dir.name, self.critic_step + 1, critic_samples)
+            if critic_samples
+            else nothing(),
+        )
+        train_metrics: dict[str, float] = {}
+        if actor_resp is not None:
+            self.version = actor_resp.policy_version
+            m = actor_resp.metrics
+            train_metrics = {
+                "loss": m.loss,
+                "kl": m.kl,
+                "entropy": m.entropy,
+                "clip_fraction": m.clip_fraction,
+                "grad_norm": m.grad_norm,
+                "lr": m.lr,
+                "train_tokens": m.tokens,
+                # rank 0's memory: peak (CUDA allocator, or RSS on CPU) and host RSS now
+                "learner_peak_memory_mb": m.extra.get("peak_memory_mb", float("nan")),
+                "learner_resident_mb": m.extra.get("resident_memory_mb", float("nan")),
             }
-            if sched.eval_every and (self.pos.step % sched.eval_every == 0 or self.pos.step == sched.steps):
-                ev = await self.evaluate_alone(pending)
-                values["time_idle"] += ev.pop("waited")
-                values.update(ev)
-            self.record(values)
-            if sched.checkpoint_every and self.pos.step % sched.checkpoint_every == 0:
-                await self.checkpoint()
-        if not pending.done():
-            pending.cancel()
-            await asyncio.gather(pending, return_exceptions=True)
-        await self.checkpoint()
+        if critic_resp is not None:
+            self.critic_step = critic_resp.step
+            m = critic_resp.metrics
+            train_metrics.update(
+                {
+                    "critic_loss": m.loss,
+                    "critic_clip_fraction": m.clip_fraction,
+                    "critic_grad_norm": m.grad_norm,
+                    "critic_vf_mse": m.extra.get("vf_mse", float("nan")),
+                }
+            )
+        return train_metrics

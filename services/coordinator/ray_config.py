@@ -53,3 +53,10 @@ class RaySection(StrictModel):
     the config), only paths to them."""
     start_timeout_seconds: float = Field(900.0, gt=0)
     """Limit for the placement groups to be placed and for every service to serve."""
+    call_timeout_seconds: float = Field(60.0, gt=0, le=3600)
+    """Deadline of each call the driver makes to a service's actor once it runs (health checks,
+    log tails, a free port): a call past it is a failed call, never a wait without end."""
+    dead_after_timeouts: int = Field(3, ge=1, le=1000)
+    """Health checks of a learner rank's actor that may go unanswered in a row (each within
+    ``call_timeout_seconds``) before the rank counts as dead and every rank is stopped. One slow
+    answer (a busy node, a slow GCS) is not a death; an actor Ray reports dead is one at once."""

@@ -37,6 +37,58 @@ from relayrl.coordinator.ray_plan import GroupPlan, Slot, assign_ranks, needs, p
 logger = logging.getLogger(__name__)
 
 STOP_GRACE = 30.0
+WATCH_EVERY = 2.0
+"""Seconds between two health checks of the learner ranks."""
+TIMED_OUT = "timed out"
+"""A health check that got no answer within ``ray.call_timeout_seconds`` (not a death by itself)."""
+
+
+def poll_outcome(error: BaseException) -> int | str:
+    """What a failed health check of a service's actor says: -9 when Ray reports the actor dead
+    (it and its process are gone), ``TIMED_OUT`` when it only did not answer in time or is
+    unreachable for now (Ray may still reach it). Other errors are raised."""
+    import ray
+
+    if isinstance(error, ray.exceptions.GetTimeoutError | ray.exceptions.ActorUnavailableError):
+        return TIMED_OUT  # ActorUnavailableError is a RayActorError, but a temporary one
+    if isinstance(error, ray.exceptions.RayActorError):  # ActorDiedError and the like
+        return -9
+    raise error
+
+
+class RankLiveness:
+    """Which learner ranks count as dead, from one health check after another: a rank whose
+    process exited, or whose actor Ray reports dead, at once; one whose check went unanswered only
+    after ``dead_after`` in a row (a slow answer is not a death: counting one as such stopped every
+    rank of a healthy learner).
+
+    >>> live = RankLiveness(dead_after=2)
+    >>> live.dead({"learner": None, "learner-rank1": TIMED_OUT})
+    {}
+    >>> live.dead({"learner": None, "learner-rank1": TIMED_OUT})
+    {'learner-rank1': 'no answer to 2 health checks in a row'}
+    >>> live.dead({"learner": 1, "learner-rank1": None})
+    {'learner': 1}
+    """
+
+    def __init__(self, dead_after: int):
+        self.dead_after = dead_after
+        self.misses: dict[str, int] = {}
+
+    def dead(self, polled: dict[str, int | str | None]) -> dict[str, int | str]:
+        """The dead among ``polled`` (name -> exit code, None while running, or ``TIMED_OUT``),
+        each with its exit code or why it counts as dead."""
+        out: dict[str, int | str] = {}
+        for name, code in polled.items():
+            if code == TIMED_OUT:
+                self.misses[name] = self.misses.get(name, 0) + 1
+                if self.misses[name] >= self.dead_after:
+                    out[name] = f"no answer to {self.misses[name]} health checks in a row"
+                continue
+            self.misses.pop(name, None)
+            if code is not None:
+                out[name] = code
+        return out
 
 
 def init_ray(r: RaySection) -> None:
@@ -90,7 +142,9 @@ class RayServices:
             self._actor(role, pg, i, bundle)
         with self._lock:
             hosts = list(self.hosts.items())
-        where = dict(zip([n for n, _ in hosts], ray.get([h.where.remote() for _, h in hosts]), strict=True))
+        # Actors may take a while to start (a runtime_env to set up): the start deadline bounds it.
+        places = self._get("actors", [h.where.remote() for _, h in hosts], deadline - time.monotonic())
+        where = dict(zip([n for n, _ in hosts], places, strict=True))
         for g, _pg in self.pgs:
             entry = next(e for e in self.record["placement_groups"] if e["name"] == g.name)
             entry["bundle_nodes"] = [where[role]["ip"] for role in g.roles]
@@ -198,12 +252,10 @@ class RayServices:
     def _start_learner(self, g: GroupPlan, where: dict, role: str) -> None:
         """One DeepSpeed rank per bundle of a learner ``role`` (``learner``: the actor, ``critic``,
         ``reference``); rank 0 (named as the role) serves gRPC."""
-        import ray
-
         c = self.cfg
         slots = [Slot(where[r]["node_id"], where[r]["ip"], tuple(where[r]["gpus"])) for r in g.roles]
         first = next(i for i, e in enumerate(assign_ranks(slots, 0)) if e.rank == 0)
-        ranks = assign_ranks(slots, ray.get(self.hosts[g.roles[first]].free_port.remote()))
+        ranks = assign_ranks(slots, self._get(g.roles[first], self.hosts[g.roles[first]].free_port.remote()))
         ip0 = slots[first].ip
         section = c.role_sections()[role]
         update = {"serve": section.serve.model_copy(update={"host": self._bind(ip0), "port": 0})}
@@ -245,12 +297,13 @@ class RayServices:
                 if ref in done:
                     addresses[name] = self._get(name, ref)
                     del pending[name]
-            exited = {n: code for n, code in self._poll().items() if code is not None}
+            # A check that went unanswered is not an exit: the start deadline bounds the wait.
+            exited = {n: code for n, code in self._poll().items() if isinstance(code, int)}
             if exited:
                 name, code = next(iter(exited.items()))
                 raise RuntimeError(
                     f"{name} on {where[name]['ip']} exited with code {code} before serving:\n"
-                    + ray.get(self.hosts[name].tail.remote())
+                    + self._tail(name)
                 )
             if time.monotonic() > deadline and pending:
                 raise RuntimeError(
@@ -271,35 +324,59 @@ class RayServices:
             self.record["services"][name]["address"] = addr
             print(f"ray: {name} serving on {addr}", flush=True)
 
-    @staticmethod
-    def _get(name: str, ref):
+    def _get(self, name: str, ref, timeout: float | None = None):
+        """``ray.get`` with a deadline (``ray.call_timeout_seconds`` unless given)."""
         import ray
 
+        limit = self.cfg.ray.call_timeout_seconds if timeout is None else max(1.0, timeout)
         try:
-            return ray.get(ref)
+            return ray.get(ref, timeout=limit)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"{name}: no answer from its Ray actor within {limit:.0f}s") from None
         except ray.exceptions.RayTaskError as e:  # the actor's own exception, not Ray's wrapper
             cause = getattr(e, "cause", None)
             raise RuntimeError(str(cause) if cause is not None else f"{name}: {e}") from None
 
-    def _poll(self, names=None) -> dict[str, int | None]:
-        """Exit code of each process (None: running); an actor that died counts as -9."""
+    def _tail(self, name: str) -> str:
+        """The end of ``name``'s log, or why it could not be read."""
+        import ray
+
+        try:
+            return self._get(name, self.hosts[name].tail.remote())
+        except (RuntimeError, ray.exceptions.RayError) as e:
+            return f"(its log could not be read: {e})"
+
+    def _poll(self, names=None) -> dict[str, int | str | None]:
+        """Exit code of each process (None: running; -9: Ray reports its actor dead; ``TIMED_OUT``:
+        no answer within ``ray.call_timeout_seconds``, for all of them together)."""
         import ray
 
         with self._lock:
             items = [(n, h) for n, h in self.hosts.items() if names is None or n in names]
-        out = {}
-        for (n, _h), ref in zip(items, [h.poll.remote() for _n, h in items], strict=True):
+        refs = [h.poll.remote() for _n, h in items]
+        ready, _ = (
+            ray.wait(refs, num_returns=len(refs), timeout=self.cfg.ray.call_timeout_seconds)
+            if refs
+            else ([], [])
+        )
+        out: dict[str, int | str | None] = {}
+        for (n, _h), ref in zip(items, refs, strict=True):
             try:
-                out[n] = ray.get(ref, timeout=30)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                out[n] = -9
+                out[n] = ray.get(ref, timeout=0) if ref in ready else TIMED_OUT
+            except ray.exceptions.RayError as e:
+                out[n] = poll_outcome(e)
         return out
 
     def _watch(self) -> None:
         """torchrun's rule: when one learner rank dies, stop them all (rank 0 then stops serving
-        and the coordinator fails the run with the reason, instead of a collective hanging)."""
-        while not self._stopping.wait(2.0):
-            dead = {n: code for n, code in self._poll(self.ranks).items() if code is not None}
+        and the coordinator fails the run with the reason, instead of a collective hanging). Dead
+        means exited, or Ray says its actor died, or ``ray.dead_after_timeouts`` checks in a row
+        went unanswered (``RankLiveness``)."""
+        live = RankLiveness(self.cfg.ray.dead_after_timeouts)
+        while not self._stopping.wait(WATCH_EVERY):
+            dead = live.dead(self._poll(self.ranks))
+            if live.misses and not dead:
+                logger.warning("learner rank(s) slow to answer a health check: %s", live.misses)
             if dead and not self._stopping.is_set():
                 logger.error("learner rank(s) exited: %s; stopping the other ranks", dead)
                 print(f"ray: learner rank(s) exited {dead}; stopping the learner", flush=True)
@@ -315,6 +392,9 @@ class RayServices:
         refs = [h.stop.remote(STOP_GRACE) for h in hosts]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=STOP_GRACE + 30)
+
+    def coming_back(self, name: str) -> bool:
+        return False  # Ray restarts no service here: replica_wait_seconds decides
 
     def stop(self) -> None:
         """Stop every process, kill the actors, remove the placement groups. Safe to call twice,

@@ -52,7 +52,7 @@ def plan(cfg: ExperimentConfig, gpus: bool, run_id: str) -> list[GroupPlan]:
 
     PPO adds a group per learner role (the critic and the reference, here from ``resolve_paths``):
 
-    >>> from relayrl.coordinator.config import resolve_paths
+    >>> from relayrl.coordinator.derive import resolve_paths
     >>> ppo = resolve_paths(cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(
     ...     update={"advantage": "gae", "kl_coef": 0.1})}), None)
     >>> [(g.name, g.roles) for g in plan(ppo, gpus=True, run_id="r")][:3]

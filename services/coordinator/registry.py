@@ -21,10 +21,10 @@ from relayrl.coordinator import metrics
 from relayrl.coordinator.assets import prepare
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.drive import drive
+from relayrl.coordinator.errors import RunFailure, describe
 from relayrl.coordinator.local_services import LocalServices
 from relayrl.coordinator.progress import plot
-from relayrl.coordinator.rotation import NoReplicaLeft
-from relayrl.coordinator.runfolder import new_run_dir
+from relayrl.coordinator.runfolder import load_records, new_run_dir
 from relayrl.coordinator.service_set import DeployedServices, ServiceSet
 
 logger = logging.getLogger(__name__)
@@ -46,11 +46,14 @@ class Handle:
     run_dir: Path
     state: str = PENDING
     message: str = ""
-    started_at: float = field(default_factory=time.time)
+    started_at: float | None = None
+    """When the run went RUNNING (its services up); None while PENDING."""
     records: list[dict] = field(default_factory=list)
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
+    stop_timer: asyncio.TimerHandle | None = None  # cancels the run once a stop's grace is over
+    cut_short: bool = False  # stopped by cancellation: its last step may have no checkpoint
     step: int = 0
     version: int = 0
 
@@ -59,6 +62,7 @@ class Handle:
         return self.state in (COMPLETED, FAILED, STOPPED)
 
     async def notify(self) -> None:
+        # wait: the lock is only ever held without an await in between (here, StreamMetrics)
         async with self.changed:
             self.changed.notify_all()
 
@@ -75,6 +79,10 @@ class Registry:
     def get(self, run_id: str) -> Handle | None:
         return self.experiments.get(run_id)
 
+    def newest_first(self) -> list[Handle]:
+        """Every experiment, the latest started (or resumed) first."""
+        return list(reversed(self.experiments.values()))
+
     def start(
         self,
         cfg: ExperimentConfig,
@@ -84,7 +92,11 @@ class Registry:
     ) -> Handle:
         """Create the run folder (``run_id`` names it; default ``<name>-<timestamp>``), or reuse
         ``resume_dir``, and start driving the experiment. Raises ``ResourceExhausted`` when
-        ``max_running`` experiments run already, ``AlreadyExists`` for a taken ``run_id``."""
+        ``max_running`` experiments run already, ``AlreadyExists`` for a taken ``run_id``.
+        Idempotent by ``run_id``: one this registry knows returns its handle, started once and
+        counted once, however many starts of it arrive together (nothing here awaits)."""
+        if run_id and (known := self.experiments.get(run_id)) is not None:
+            return known
 
         running = sum(not h.finished for h in self.experiments.values())
         if self.max_running is not None and running >= self.max_running:
@@ -101,6 +113,7 @@ class Registry:
                     f"run folder {Path(cfg.runs_dir) / run_id} exists; continue it with resume_from"
                 ) from None
         handle = Handle(run_id=run_dir.name, cfg=cfg, run_dir=run_dir)
+        self.experiments.pop(handle.run_id, None)  # a resumed run lists as the newest
         self.experiments[handle.run_id] = handle
         handle.task = asyncio.ensure_future(self._execute(handle, resume_dir is not None, on_record))
         return handle
@@ -121,16 +134,29 @@ class Registry:
             asyncio.ensure_future(h.notify())
 
         try:
-            if not resume:
-                await asyncio.to_thread(prepare, h.cfg)  # tiny model / data when missing
-            await asyncio.to_thread(services.start)
+            if not resume:  # tiny model / data when missing; a stop meanwhile ends the data's
+                # generation (it reads the event's flag from its thread: one bool, set once)
+                await asyncio.to_thread(prepare, h.cfg, h.stop.is_set)
+            if not h.stop.is_set():
+                await asyncio.to_thread(services.start)
+            if h.stop.is_set():  # stopped while PENDING: it never goes RUNNING nor takes a step
+                h.state, h.message = STOPPED, "stopped before its first step"
+                return
             h.state = RUNNING
+            h.started_at = time.time()
             await h.notify()
             exp = await drive(h.cfg, h.run_dir, services, resume, on_record=record, stop=h.stop)
-            h.records = exp.records
+            # h.records stays this session's list (StreamMetrics readers index into it); the
+            # run folder's metrics.jsonl holds the whole run, a resumed one's earlier steps too.
             h.state = STOPPED if h.stop.is_set() and exp.pos.step < h.cfg.schedule.steps else COMPLETED
-        except (grpc.aio.AioRpcError, NoReplicaLeft) as e:
-            why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
+        except asyncio.CancelledError:
+            if not h.stop.is_set():
+                raise  # not a stop of this run: the process is going away
+            # A second stop, or the grace of the first one passed, ended it where it waited.
+            h.state, h.cut_short = STOPPED, True
+            h.message = "stopped before its step ended; its last checkpoint is where a resume starts"
+        except (grpc.aio.AioRpcError, RunFailure) as e:
+            why = describe(e)
             resumable = (h.run_dir / "checkpoints" / "coordinator.json").exists()
             h.message = why + (f"; resume with: {services.resume_command} {h.run_dir}" if resumable else "")
             h.state = FAILED
@@ -139,16 +165,29 @@ class Registry:
             h.message = f"{type(e).__name__}: {e}"
             h.state = FAILED
         finally:
+            if h.stop_timer is not None:
+                h.stop_timer.cancel()
             await asyncio.to_thread(services.stop)
             try:
-                plot(h.run_dir, h.records, h.cfg.schedule.eval_label)
+                # From the run folder's records: a resumed run's curve starts at step 0, not
+                # where this session took over (its own records are only those since).
+                plot(h.run_dir, load_records(h.run_dir), h.cfg.schedule.eval_label)
             except Exception:
                 logger.warning("reward curve not written", exc_info=True)
             await h.notify()
 
     def request_stop(self, run_id: str) -> Handle | None:
+        """Stop an experiment: at the end of its step, with a checkpoint, within
+        ``services.stop_grace_seconds`` (then it is cancelled where it waits); a second request
+        cancels it at once. Either way it ends STOPPED and its services are stopped."""
         h = self.experiments.get(run_id)
-        if h is not None and not h.finished:
-            h.state = STOPPING
-            h.stop.set()
+        if h is None or h.finished:
+            return h
+        if h.stop.is_set():
+            h.task.cancel()
+            return h
+        h.state = STOPPING
+        h.stop.set()
+        grace = h.cfg.services.stop_grace_seconds
+        h.stop_timer = asyncio.get_running_loop().call_later(grace, h.task.cancel)
         return h

@@ -24,14 +24,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from relayrl.common.security import client_channel
 from relayrl.common.serving import ClientSecurity
+from relayrl.coordinator.errors import NoReplicaLeft
 
 logger = logging.getLogger(__name__)
 OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
 PROBE_TIMEOUT_S = 5.0
-
-
-class NoReplicaLeft(RuntimeError):
-    """Every replica of a service failed, and none came back in time."""
 
 
 @dataclass
@@ -58,11 +55,18 @@ class Rotation:
         probe_s: float = 5.0,
         wait_s: float = 600.0,
         admit_unready: Callable[[grpc.aio.Channel], Awaitable[bool]] | None = None,
+        call_deadline_s: float = 600.0,
+        coming_back: Callable[[str], bool] | None = None,
     ):
         """``admit_unready(channel)``: whether a replica answering NOT_SERVING is readmitted all
-        the same (it needs what ``readmit`` gives it)."""
+        the same (it needs what ``readmit`` gives it). ``coming_back(name)``: whether a replica
+        out of rotation is being restarted by its supervisor; the wait for one goes on while it
+        is (the restart has its own deadline), past ``wait_s``."""
         self.kind = kind
         self.admit_unready = admit_unready
+        self.coming_back = coming_back or (lambda name: False)
+        self.call_deadline_s = call_deadline_s
+        self._retiring: dict[asyncio.Task, grpc.aio.Channel] = {}  # replaced channels closing
         self.service_name = service_name
         self.security = security
         self.readmit = readmit
@@ -91,6 +95,8 @@ class Rotation:
         deadline = time.monotonic() + self.wait_s
         while not (reps := self.healthy()):
             left = deadline - time.monotonic()
+            if any(self.coming_back(r.name) for r in self.replicas):
+                left = max(left, self.probe_s)  # its restart is bounded by its own deadline
             if left <= 0:
                 raise NoReplicaLeft(
                     f"no {self.kind} replica left; none came back within {self.wait_s:.0f} s "
@@ -101,6 +107,8 @@ class Rotation:
         return reps
 
     async def rejoin(self) -> None:
+        # wait: held only around probes (PROBE_TIMEOUT_S) and readmissions (learner calls, each
+        # under services.deadline_seconds)
         async with self._lock:
             for rep in self.replicas:
                 if rep.healthy or time.monotonic() < self._next_probe.get(rep.name, 0.0):
@@ -160,7 +168,11 @@ class Rotation:
                 logger.info("%s %s still out of rotation: %s", self.kind, rep.name, why)
                 return False
             old, rep.channel, adopted = rep.channel, channel, True
-            await old.close()
+            # Calls may still run on the old channel (eval and training share a pool): closed
+            # at once it would cancel them, and a cancelled call reads like a cancelled caller.
+            retire = asyncio.ensure_future(old.close(grace=self.call_deadline_s))
+            self._retiring[retire] = old
+            retire.add_done_callback(lambda t: self._retiring.pop(t, None))
             return True
         finally:
             if not adopted:
@@ -169,3 +181,6 @@ class Rotation:
     async def close(self) -> None:
         for r in self.replicas:
             await r.channel.close()
+        for retire, old in list(self._retiring.items()):
+            retire.cancel()  # the run is over: nothing waits for their calls any more
+            await old.close()

@@ -1,6 +1,9 @@
 """``relayrl run``: one experiment in a registry, served over ``CoordinatorService`` while it runs
-(so ``relayrl status/stop/list`` reach it), with progress shown; SIGTERM ends it like Ctrl-C and
-stops the services it started.
+(so ``relayrl status/stop/list`` reach it), with progress shown.
+
+Ctrl-C or SIGTERM once: the run ends its step, writes a checkpoint, stops the services it
+started and exits 0, within ``services.stop_grace_seconds`` (past it the run is cancelled where
+it waits, and exits 130/143 with its last checkpoint as the resume point). Twice: at once.
 
 The run folder holds ``config.yaml`` (resolved), ``launch.jsonl`` (every command started),
 ``services/*.yaml`` (each service's section), ``logs/``, ``metrics.jsonl`` (one record per step),
@@ -10,7 +13,6 @@ The run folder holds ``config.yaml`` (resolved), ``launch.jsonl`` (every command
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import sys
@@ -19,7 +21,8 @@ from pathlib import Path
 from relayrl.coordinator.assets import missing_inputs
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.progress import progress
-from relayrl.coordinator.registry import FAILED, Handle, Registry
+from relayrl.coordinator.registry import FAILED, STOPPED, Handle, Registry
+from relayrl.coordinator.runfolder import load_records
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +45,31 @@ async def _run_and_serve(
     addr_file = coordinator_address_file(cfg)
     addr_file.parent.mkdir(parents=True, exist_ok=True)
     addr_file.write_text(f"127.0.0.1:{handle_srv.port}\n")
-    # SIGTERM (kill, a scheduler, systemd) ends the run like Ctrl-C: cancelling the run's task
-    # runs its cleanup, which stops the services this process started. Left to the default
-    # action, the process would die at once and its services would live on, orphaned.
+    # Both signals are handled here, explicitly: left to the default action SIGTERM (kill, a
+    # scheduler, systemd) would end the process at once and orphan its services, and a process
+    # started from a non-interactive shell inherits SIGINT ignored (asyncio then installs no
+    # handler of its own, and Ctrl-C did nothing).
     main = asyncio.current_task()
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, main.cancel)
+    h: Handle | None = None
+
+    def on_signal(name: str) -> None:
+        if h is None:  # not started yet: nothing to save
+            main.cancel()
+        elif not h.stop.is_set():
+            print(
+                f"\n{name}: stopping at the end of this step with a checkpoint "
+                f"(at most {h.cfg.services.stop_grace_seconds:g} s; again to stop at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+            registry.request_stop(h.run_id)
+        else:
+            print(f"\n{name}: stopping now", file=sys.stderr, flush=True)
+            registry.request_stop(h.run_id)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig.name)
     try:
         h = registry.start(cfg, resume_dir, on_record=show)
         print(
@@ -56,20 +78,13 @@ async def _run_and_serve(
         )
         if cfg.services.embedded:
             print("starting learner, generator and reward services ...", flush=True)
-        try:
-            await asyncio.shield(h.task)
-        except asyncio.CancelledError:  # Ctrl-C or SIGTERM
-            # Cancelling the run's task ends it where it waits, and its cleanup stops the services.
-            # The stop flag also ends it at the next step, should anything on its way swallow that
-            # cancellation: a Ctrl-C on `relayrl launch ray` once left a run stepping on (CI).
-            h.stop.set()
-            h.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await h.task
-            raise
+        # wait: the run's lifetime; a stop (on_signal) ends it within services.stop_grace_seconds,
+        # then its cleanup stops the services
+        await h.task
         return h
     finally:
-        loop.remove_signal_handler(signal.SIGTERM)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
         await handle_srv.stop(1.0)
         if addr_file.read_text().strip() == f"127.0.0.1:{handle_srv.port}":
             addr_file.unlink(missing_ok=True)
@@ -85,14 +100,21 @@ def run(
     show, close = progress(cfg.schedule.steps, 0)
     try:
         h = asyncio.run(_run_and_serve(cfg, resume_dir, show, services_factory))
-    except asyncio.CancelledError:  # SIGTERM: the services are stopped by now
-        print(f"{prog}: terminated (SIGTERM); services stopped", file=sys.stderr, flush=True)
-        raise SystemExit(128 + signal.SIGTERM) from None
+    except asyncio.CancelledError:  # a signal before the run started: nothing to save
+        print(f"{prog}: stopped before the run started", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signal.SIGINT) from None
     finally:
         close()
-    evals = [r["eval_accuracy"] for r in h.records if "eval_accuracy" in r]
+    evals = [r["eval_accuracy"] for r in load_records(h.run_dir) if "eval_accuracy" in r]  # resumed too
     if h.state == FAILED:
         raise SystemExit(f"{prog}: {h.run_id} failed: {h.message}")
+    if h.state == STOPPED:
+        resume = f"continue with: {prog} --resume {h.run_dir}"
+        if h.cut_short:
+            print(f"{prog}: {h.run_id} {h.message}; {resume}", file=sys.stderr, flush=True)
+            raise SystemExit(128 + signal.SIGINT)
+        print(f"{h.run_id}: stopped at step {h.step} with a checkpoint; {resume}", flush=True)
+        return h.run_dir
     if evals:
         print(f"{h.cfg.schedule.eval_label}: {evals[0]:.3f} -> {evals[-1]:.3f}", flush=True)
     if (h.run_dir / "reward_curve.png").exists():

@@ -34,17 +34,39 @@ def new_run_dir(cfg: ExperimentConfig, run_id: str = "") -> Path:
 
 
 def load_records(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
+    """The records of ``run_dir/name``, one JSON object a line. A last line cut short (the run
+    was killed while appending it: no newline, not JSON) is left out; any other line that does
+    not parse is damage a person must look at: ValueError naming the file and line.
+
+    >>> import tempfile; d = Path(tempfile.mkdtemp())
+    >>> _ = (d / "metrics.jsonl").write_text('{"step": 1}\\n{"step": 2, "rew')
+    >>> load_records(d)
+    [{'step': 1}]
+    """
     path = run_dir / name
-    return (
-        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    )
+    if not path.exists():
+        return []
+    text = path.read_text()
+    lines = text.splitlines()
+    out = []
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) and not text.endswith("\n"):
+                break  # torn by a kill mid-append: that step is done again after the resume
+            raise ValueError(f"{path}: line {i} is not a JSON record ({e})") from None
+    return out
 
 
-def rewind_records(run_dir: Path, step: int) -> list[dict]:
-    """The records of ``run_dir`` up to ``step`` (the checkpoint a resume starts from). A run
-    that went on past its last checkpoint before it stopped (a crash) recorded steps that the
-    resume does again: those move to ``metrics.rewound.jsonl`` (appended, nothing is lost), so
-    ``metrics.jsonl`` and the curves hold each step once, from the run that continued.
+def rewind_records(run_dir: Path, step: int, name: str = "metrics.jsonl") -> list[dict]:
+    """The records of ``run_dir/name`` (``metrics.jsonl``, ``ledger.jsonl``) up to ``step`` (the
+    checkpoint a resume starts from). A run that went on past its last checkpoint before it
+    stopped (a crash) recorded steps that the resume does again: those move to
+    ``<name>.rewound.jsonl`` (appended, nothing is lost), so the file and the curves hold each
+    step once, from the run that continued.
 
     >>> import tempfile; d = Path(tempfile.mkdtemp())
     >>> _ = (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i}) + "\\n" for i in range(4)))
@@ -53,15 +75,17 @@ def rewind_records(run_dir: Path, step: int) -> list[dict]:
     >>> (d / "metrics.rewound.jsonl").read_text()
     '{"step": 3}\\n'
     """
-    records = load_records(run_dir)
+    records = load_records(run_dir, name)
     kept = [r for r in records if r.get("step", 0) <= step]
     later = [r for r in records if r.get("step", 0) > step]
-    if later:
+    path = run_dir / name
+    torn = path.exists() and not path.read_text().endswith("\n") and path.stat().st_size > 0
+    if later or torn:  # a torn last line goes too: the next append would glue onto it
         # A crash between the append and the replace leaves them in both files: not twice here.
-        rewound = run_dir / "metrics.rewound.jsonl"
+        rewound = run_dir / name.replace(".jsonl", ".rewound.jsonl")
         known = {(r.get("step"), r.get("time")) for r in load_records(run_dir, rewound.name)}
         with open(rewound, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in later if (r.get("step"), r.get("time")) not in known)
         text = "".join(json.dumps(r) + "\n" for r in kept)
-        atomic_write(run_dir / "metrics.jsonl", lambda tmp: tmp.write_text(text))  # one file or the other
+        atomic_write(path, lambda tmp: tmp.write_text(text))  # one file or the other
     return kept

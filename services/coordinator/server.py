@@ -37,6 +37,8 @@ async def run(config: CoordinatorServeConfig, port_file: str | None = None) -> N
             registry.request_stop(run_id)
         for h in registry.experiments.values():
             if h.task is not None:
+                # wait: request_stop bounds it: the run ends its step, or is cancelled once
+                # services.stop_grace_seconds have passed (at once if it was stopping already)
                 await h.task
 
     handle.on_shutdown.append(stop_experiments)

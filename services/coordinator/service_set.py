@@ -32,6 +32,10 @@ class ServiceSet(Protocol):
     def stop(self) -> None:
         """Take down what ``start`` brought up; idempotent, safe after a failed start."""
 
+    def coming_back(self, name: str) -> bool:
+        """Whether the replica ``name`` is being started again (it crashed and its supervisor
+        restarts it): callers wait for it rather than give up after ``replica_wait_seconds``."""
+
 
 class DeployedServices:
     """Services someone else runs: their addresses are in the experiment's ``services`` section;
@@ -51,3 +55,6 @@ class DeployedServices:
 
     def stop(self) -> None:
         pass
+
+    def coming_back(self, name: str) -> bool:
+        return False  # their supervisor (Kubernetes, compose) does not tell: replica_wait_seconds

@@ -8,11 +8,10 @@ import re
 from pathlib import Path
 
 from google.protobuf.timestamp_pb2 import Timestamp
-from relayrl.common import config as cfg_mod
 from relayrl.common.rpc import InvalidRequest, NotFound, bounded, map_errors
 from relayrl.coordinator import registry as reg
-from relayrl.coordinator.assets import missing_inputs
-from relayrl.coordinator.config import CoordinatorServeConfig, ExperimentConfig, resolve_paths
+from relayrl.coordinator.admission import admit
+from relayrl.coordinator.config import CoordinatorServeConfig
 from relayrl.coordinator.v1 import coordinator_pb2 as cp
 from relayrl.coordinator.v1 import coordinator_pb2_grpc as cpg
 
@@ -42,7 +41,7 @@ def status_proto(h: reg.Handle) -> cp.ExperimentStatus:
         total_steps=h.cfg.schedule.steps,
         policy_version=h.version,
         message=h.message,
-        started_at=_ts(h.started_at),
+        started_at=_ts(h.started_at) if h.started_at is not None else None,  # unset while PENDING
         last_metrics={k: float(v) for k, v in last.items() if isinstance(v, (int, float)) and k != "time"},
     )
 
@@ -75,28 +74,6 @@ class CoordinatorServicer(cpg.CoordinatorServiceServicer):
             raise NotFound(f"no experiment {bounded(repr(run_id), 140)} on this coordinator")
         return h
 
-    def _inside(self, what: str, path: str) -> Path:
-        """``path`` (absolute by now) if it lies in the coordinator's root, else INVALID_ARGUMENT."""
-        if not Path(os.path.realpath(path)).is_relative_to(self.root):
-            raise InvalidRequest(
-                f"{what} {bounded(path, 200)!r} is outside the coordinator's root {self.root}"
-            )
-        return Path(path)
-
-    def _experiment(self, request) -> ExperimentConfig:
-        """Parse, validate and resolve the request's experiment: CPU work, run in a worker thread."""
-        data = cfg_mod.parse_yaml(request.config_yaml, "config_yaml")
-        cfg = resolve_paths(cfg_mod.build(ExperimentConfig, data, list(request.overrides)), base=self.root)
-        self._inside("runs_dir", cfg.runs_dir)
-        for what, path in (
-            ("data.train", cfg.data.train),
-            ("data.test", cfg.data.test),
-            ("model.path", cfg.model.path),
-        ):
-            if path:
-                self._inside(what, path)
-        return cfg
-
     @map_errors
     async def StartExperiment(self, request, context):
         # Everything is checked before the answer: an OK means the experiment is under way.
@@ -117,18 +94,10 @@ class CoordinatorServicer(cpg.CoordinatorServiceServicer):
                 )
             if (known := self.registry.get(request.run_id)) is not None:
                 return cp.StartExperimentResponse(experiment=status_proto(known))  # idempotent by run_id
-        try:
-            cfg = await asyncio.to_thread(self._experiment, request)
-        except cfg_mod.ConfigError as e:
-            raise InvalidRequest(str(e)) from None
-        resume = None
-        if request.resume_from:
-            resume = self._inside("resume_from", str(self.root / request.resume_from))
-            if not (resume / "checkpoints" / "coordinator.json").is_file():
-                raise InvalidRequest(f"{resume} has no checkpoint to resume from")
-        elif problems := missing_inputs(cfg):
-            raise InvalidRequest("; ".join(problems))
-        h = self.registry.start(cfg, resume, run_id=request.run_id)
+        cfg, resume = await asyncio.to_thread(
+            admit, request.config_yaml, list(request.overrides), request.resume_from, self.root
+        )
+        h = self.registry.start(cfg, resume, run_id=request.run_id)  # a run_id started meanwhile: that one
         return cp.StartExperimentResponse(experiment=status_proto(h))
 
     @map_errors
@@ -143,9 +112,7 @@ class CoordinatorServicer(cpg.CoordinatorServiceServicer):
 
     @map_errors
     async def ListExperiments(self, request, context):
-        return cp.ListExperimentsResponse(
-            experiments=[status_proto(h) for h in self.registry.experiments.values()]
-        )
+        return cp.ListExperimentsResponse(experiments=[status_proto(h) for h in self.registry.newest_first()])
 
     @map_errors
     async def StreamMetrics(self, request, context):
@@ -158,6 +125,9 @@ class CoordinatorServicer(cpg.CoordinatorServiceServicer):
                     yield cp.StreamMetricsResponse(record=record_proto(h.run_id, rec))
             if h.finished and sent >= len(h.records):
                 return
+            # wait: the lock is only ever held without an await in between (wait() releases it)
             async with h.changed:
                 if sent >= len(h.records) and not h.finished:
+                    # wait: a stream lasts as long as its run: every record and the run's end
+                    # notify; the caller's deadline or cancellation ends it sooner
                     await h.changed.wait()

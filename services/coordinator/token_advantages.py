@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from relayrl.learner.config import K3_BOUND, K3_LOG_RATIO_BOUND
 
 KL_PENALTIES = ("k1", "k2", "k3", "abs")
 
@@ -31,7 +32,8 @@ def kl_penalty(
 ) -> np.ndarray:
     """Per-token estimate of KL(pi || ref) from the sampled tokens' log-probs (Schulman, "Approximating
     KL divergence", 2020; verl's ``kl_penalty``): ``k1`` = log(pi/ref), ``k2`` = log(pi/ref)^2 / 2,
-    ``k3`` = ref/pi - log(ref/pi) - 1 (verl's ``low_var_kl``, clamped to [-10, 10] as there),
+    ``k3`` = ref/pi - log(ref/pi) - 1 (verl's ``low_var_kl``, clamped to [-10, 10] as there: the
+    learner's ``K3_BOUND``, the same bound as the k3 in the actor's loss),
     ``abs`` = |log(pi/ref)|.
 
     >>> [round(float(x), 4) for x in kl_penalty([-1.0, -2.0], [-2.0, -1.0], "k1")]
@@ -45,7 +47,8 @@ def kl_penalty(
     if kind == "k2":
         return 0.5 * d * d
     if kind == "k3":
-        return np.clip(np.exp(-d) + d - 1.0, -10.0, 10.0)
+        d = np.clip(d, -K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND)  # no overflow in exp
+        return np.clip(np.exp(-d) + d - 1.0, -K3_BOUND, K3_BOUND)
     if kind == "abs":
         return np.abs(d)
     raise ValueError(f"unknown KL penalty {kind!r}; known: {', '.join(KL_PENALTIES)}")

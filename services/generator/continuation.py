@@ -50,22 +50,29 @@ class SwapGate:
     @asynccontextmanager
     async def submit(self) -> AsyncIterator[int]:
         """Hold while adding a request: no swap starts until the block exits. Yields the epoch."""
+        # wait: the condition's lock is held only between awaits (never across one), and a swap
+        # ends within its bounds (vllm_weights: control calls ENGINE_CALL_S, the load its
+        # transport's timeouts, or the engine's death); the caller's deadline cancels the wait
         async with self._cond:
+            # wait: as above
             await self._cond.wait_for(lambda: not self._swapping and not self._swaps_waiting)
             self._submitting += 1
         try:
             yield self.epoch
         finally:
-            async with self._cond:
+            async with self._cond:  # wait: held between awaits only
                 self._submitting -= 1
                 self._cond.notify_all()
 
     @asynccontextmanager
     async def swap(self) -> AsyncIterator[None]:
         """Hold while the weights change: waits for submissions in progress, blocks new ones."""
+        # wait: submissions in progress end after one add_request (milliseconds); swaps come one
+        # at a time (the engine's swap lock)
         async with self._cond:
             self._swaps_waiting += 1
             try:
+                # wait: as above
                 await self._cond.wait_for(lambda: not self._swapping and not self._submitting)
             finally:
                 self._swaps_waiting -= 1
@@ -74,7 +81,7 @@ class SwapGate:
         try:
             yield
         finally:
-            async with self._cond:
+            async with self._cond:  # wait: held between awaits only
                 self._swapping = False
                 self._cond.notify_all()
 

@@ -15,15 +15,20 @@ version.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
-from collections.abc import AsyncIterator, Sequence
+import logging
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from relayrl.common import weightsync as ws
 from relayrl.common.cudaipc import Shared
+from relayrl.common.rpc import Unavailable
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -151,23 +156,51 @@ class GenerationEngine(Protocol):
     async def close_weight_sync(self) -> None: ...
     async def load_weights(
         self, version: int, items: list[tuple[str, str, list[int], bytes]]
-    ) -> tuple[int, float]: ...
+    ) -> tuple[int, float, list[int]]: ...
     def status(self) -> EngineStatus: ...
     async def shutdown(self) -> None: ...
 
 
-def checkpoint_tensors(model_dir: str | Path) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """Names and shapes of a HF folder's tensors (from safetensors headers, no data read), and
-    the names a sender may add or omit (a tied ``lm_head.weight``)."""
+def checkpoint_tensors(
+    model_dir: str | Path,
+) -> tuple[dict[str, tuple[int, ...]], set[str], dict[str, str]]:
+    """Names and shapes of a HF folder's tensors (from safetensors headers, no data read), the
+    names a sender may add or omit (a tied ``lm_head.weight``), and each tensor's dtype kind
+    ("float", "int" or "bool": ``weightsync.dtype_kind``)."""
     folder = Path(model_dir)
     shapes: dict[str, tuple[int, ...]] = {}
+    kinds: dict[str, str] = {}
     for f in sorted(folder.glob("*.safetensors")):
         with f.open("rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
             header = json.loads(fh.read(n))
-        shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+        header.pop("__metadata__", None)
+        shapes.update({k: tuple(v["shape"]) for k, v in header.items()})
+        kinds.update({k: ws.safetensors_kind(v["dtype"]) for k, v in header.items()})
     cfg = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
     optional = {"lm_head.weight"} if cfg.get("tie_word_embeddings") else set()
     for name in optional:
         shapes.pop(name, None)
-    return shapes, optional
+    return shapes, optional, kinds
+
+
+async def within(call: Awaitable[Any], seconds: float, what: str) -> Any:
+    """Await ``call`` for at most ``seconds``, else UNAVAILABLE naming ``what``. Past the limit
+    the call is cancelled but not awaited: a call into a dead vLLM EngineCore may ignore its
+    cancellation, and ``asyncio.wait_for`` would then wait for it forever."""
+    task = asyncio.ensure_future(call)
+    try:
+        await asyncio.wait({task}, timeout=seconds)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not task.done():
+        task.cancel()
+        task.add_done_callback(_retrieve)
+        raise Unavailable(f"{what} did not return within {seconds:g} s (is the vLLM engine alive?)")
+    return task.result()
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("an engine call given up on failed later: %r", task.exception())

@@ -21,6 +21,7 @@ from relayrl.generator.v1 import generator_pb2, generator_pb2_grpc
 from relayrl.generator.wire import (
     TRANSPORT_PROTO,
     bucket_from_proto,
+    check_version,
     sample_to_proto,
     sampling_from_proto,
     source_from_proto,
@@ -50,6 +51,10 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         name = bounded(repr(p.prompt_id), 80)
         kind = p.WhichOneof("input")
         if kind == "token_ids":
+            # Too long for the model is refused before the ids are copied or scanned: 25M ids
+            # held this process's CPU (and its event loop's GIL) for seconds, for nothing.
+            if (n := len(p.token_ids.ids)) >= (limit := self.engine.status().max_model_len):
+                raise InvalidRequest(f"prompt {name}: {n} tokens; the model takes at most {limit - 1}")
             ids = list(p.token_ids.ids)
         elif kind in ("messages", "text"):
             msgs = [{"role": m.role, "content": m.content} for m in p.messages.messages]
@@ -160,20 +165,25 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
 
     @map_errors
     async def UpdateWeights(self, request, context):
+        version = check_version(request.version)
         buckets = [bucket_from_proto(b) for b in request.plan.buckets]
         if not buckets:
             raise InvalidRequest("plan has no buckets")
         source = source_from_proto(request, len(buckets))
         if request.transport_only:  # no swap: readiness and weights stay as they are
             nbytes, secs, sums = await self.engine.update_weights(
-                request.version, buckets, transport_only=True, source=source
+                version, buckets, transport_only=True, source=source
             )
         else:
             nbytes, secs, sums = await self._swapping(
-                lambda: self.engine.update_weights(request.version, buckets, source=source)
+                lambda: self.engine.update_weights(version, buckets, source=source)
             )
+        # The version the engine holds now, not the request's: the learner checks the two agree.
         return generator_pb2.UpdateWeightsResponse(
-            version=request.version, swap_seconds=secs, nbytes=nbytes, bucket_checksums=sums
+            version=self.engine.status().policy_version,
+            swap_seconds=secs,
+            nbytes=nbytes,
+            bucket_checksums=sums,
         )
 
     @map_errors
@@ -189,7 +199,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         done: set[str] = set()
         async for i, msg in _enumerate(request_iterator):
             if i == 0:
-                version, declared = msg.version, msg.num_tensors
+                version, declared = check_version(msg.version), msg.num_tensors
             t = msg.tensor
             meta = tensor_meta(t.name, t.dtype, t.shape)
             if t.name in done:
@@ -211,9 +221,13 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             raise InvalidRequest(f"incomplete tensors: {', '.join(sorted(partial))}")
         if declared and declared != len(items):
             raise InvalidRequest(f"stream announced {declared} tensors, carried {len(items)}")
-        nbytes, _, _ = await self._swapping(lambda: self.engine.load_weights(version, items))
+        nbytes, _, sums = await self._swapping(lambda: self.engine.load_weights(version, items))
         return generator_pb2.LoadWeightsResponse(
-            version=version, swap_seconds=time.monotonic() - t0, nbytes=nbytes, num_tensors=len(items)
+            version=self.engine.status().policy_version,
+            swap_seconds=time.monotonic() - t0,
+            nbytes=nbytes,
+            num_tensors=len(items),
+            tensor_checksums=sums,
         )
 
 

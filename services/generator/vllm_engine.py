@@ -4,51 +4,41 @@ Generation: each prompt becomes one vLLM request for its ``n`` samples; samples 
 they finish. Weight swaps interrupt requests in flight and continue them under the new version
 (``relayrl.generator.continuation`` says why the version spans are then exact by construction).
 
-Weights arrive over the learner's weight-sync group (``open_weight_sync`` -> ``update_weights``
--> ``close_weight_sync``; the worker extension receives and loads them inside vLLM's workers)
-or as bytes over gRPC (``load_weights``).
+Weights arrive over the learner's weight-sync group, shared memory or CUDA IPC, or as bytes over
+gRPC: ``vllm_weights.py`` (the worker extension receives and loads them inside vLLM's workers).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import asdict, dataclass
 
-from relayrl.common import weightsync as ws
 from relayrl.common.placement import host_id
-from relayrl.common.rpc import FailedPrecondition, InvalidRequest, Unavailable
+from relayrl.common.rpc import InvalidRequest, Unavailable
 from relayrl.generator.config import GeneratorConfig
 from relayrl.generator.continuation import Partial, SwapGate, straddling_stop
 from relayrl.generator.engine import (
-    BucketSource,
     EngineStatus,
     PromptIn,
     SampleOut,
     SamplingSpec,
-    SyncSpec,
     checkpoint_tensors,
     prompt_seed,
+    within,
 )
+from relayrl.generator.vllm_weights import WeightSwaps, _Sync
 
 logger = logging.getLogger(__name__)
 SHUTDOWN_CLOSE_S = 5.0  # at shutdown, leaving the weight-sync group takes milliseconds or never ends
+ABORT_S = 10.0
+"""Longest wait for vLLM to take an abort: milliseconds, or never on a dead EngineCore (whose
+death ``died`` reports; the request is gone with it)."""
 
 
-@dataclass
-class _Sync:
-    """The open weight sync: its transport, and the ranks a group transport gave the workers."""
-
-    transport: str
-    rank: int = 0
-    num_ranks: int = 0
-    timeout_s: float = 300.0  # how long a pipelined shared-memory push may wait for a bucket
-
-
-class VLLMEngine:
-    """The real engine. Not thread-safe: call it from the server's event loop."""
+class VLLMEngine(WeightSwaps):
+    """The real engine (its weight swaps in ``vllm_weights.py``). Not thread-safe: call it from
+    the server's event loop."""
 
     def __init__(self, config: GeneratorConfig, replica_id: str):
         self.config = config
@@ -64,7 +54,7 @@ class VLLMEngine:
         self._tokenizer = None
         self.max_model_len = 0
         self.vocab_size = 0
-        self._expected, self._optional = checkpoint_tensors(config.engine.model)
+        self._expected, self._optional, self._kinds = checkpoint_tensors(config.engine.model)
         self._num_workers = config.engine.tensor_parallel_size
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -114,7 +104,7 @@ class VLLMEngine:
                 # be gone already, and a collective RPC to a dead core never answers (the process
                 # hung until its supervisor's SIGKILL, 75 s in the launcher). Bounded, then on.
                 try:
-                    await asyncio.wait_for(self.close_weight_sync(), SHUTDOWN_CLOSE_S)
+                    await within(self.close_weight_sync(), SHUTDOWN_CLOSE_S, "leaving the weight-sync group")
                 except Exception as e:  # a dying engine fails in many ways
                     logger.warning("weight-sync group not closed at shutdown: %r", e)
             llm, self._llm = self._llm, None
@@ -233,6 +223,8 @@ class VLLMEngine:
         remaining = len(tasks)
         try:
             while remaining:
+                # wait: each prompt's task puts None when it ends, whatever ends it; generation is
+                # bounded by max_tokens, a dead engine by died(), the caller by its deadline
                 item = await queue.get()
                 if item is None:
                     remaining -= 1
@@ -243,6 +235,7 @@ class VLLMEngine:
         finally:
             for t in tasks:
                 t.cancel()
+            # wait: tasks just cancelled; each only aborts its vLLM request, within ABORT_S
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _run_prompt(self, rid: str, prompt: PromptIn, spec: SamplingSpec, queue: asyncio.Queue) -> None:
@@ -303,6 +296,8 @@ class VLLMEngine:
         interrupted: list[Partial] = []
         try:
             while open_:
+                # wait: vLLM's stream of this request, bounded by its max_tokens; a dead engine is
+                # reported by died() (the process exits), the caller's deadline cancels
                 out = collector.get_nowait() or await collector.get()
                 for c in out.outputs:
                     p = open_.get(one.index if one else c.index)
@@ -315,7 +310,7 @@ class VLLMEngine:
                         cut = straddling_stop(p.token_ids, boundary, spec.stop, self._decode_raw)
                         if cut is not None:
                             p.truncate(cut)
-                            await self._llm.abort(rid)
+                            await within(self._llm.abort(rid), ABORT_S, f"aborting {rid}")
                             reason = "stop"
                     if reason is None:
                         continue
@@ -326,7 +321,10 @@ class VLLMEngine:
                         queue.put_nowait(self._sample(prompt, p, reason))
         except asyncio.CancelledError:
             if open_:
-                await self._llm.abort(rid)
+                try:
+                    await within(self._llm.abort(rid), ABORT_S, f"aborting {rid}")
+                except Unavailable as e:  # the caller is gone either way; the engine may be dead
+                    logger.warning("%s", e)
             raise
         return interrupted
 
@@ -345,143 +343,6 @@ class VLLMEngine:
             text=self._tokenizer.decode(p.token_ids, skip_special_tokens=True),
             replica_id=self.replica_id,
         )
-
-    # -- weights ---------------------------------------------------------------------------
-    async def open_weight_sync(self, spec: SyncSpec) -> tuple[int, int]:
-        if self._sync is not None:
-            raise FailedPrecondition("weight sync is open already; close it first")
-        if spec.transport in ("gloo", "nccl"):
-            if spec.rank < 1 or spec.rank + self._num_workers > spec.world_size:
-                raise InvalidRequest(
-                    f"rank {spec.rank} with {self._num_workers} worker(s) does not fit world_size "
-                    f"{spec.world_size} (rank 0 is the learner)"
-                )
-            args = (
-                spec.master_addr,
-                spec.master_port,
-                spec.world_size,
-                spec.rank,
-                spec.transport,
-                spec.timeout_s,
-            )
-            await self._llm.collective_rpc("relayrl_open_group", args=(*args, spec.group_name))
-            self._sync = _Sync(spec.transport, spec.rank, self._num_workers)
-            return spec.rank, self._num_workers
-        try:  # every worker opens the probe: a transport that cannot work fails here, not at a push
-            if spec.transport == "shm":
-                await self._llm.collective_rpc(
-                    "relayrl_probe_shm", args=(spec.shm_probe, spec.probe_checksum)
-                )
-            else:
-                probe = asdict(spec.ipc_probe)
-                await self._llm.collective_rpc("relayrl_probe_ipc", args=(probe, spec.probe_checksum))
-        except Exception as e:
-            raise FailedPrecondition(f"{spec.transport} cannot reach this replica: {e}") from None
-        self._sync = _Sync(spec.transport, timeout_s=spec.timeout_s)
-        return 0, self._num_workers
-
-    async def close_weight_sync(self) -> None:
-        if self._sync is not None:
-            transport, self._sync = self._sync.transport, None
-            if transport in ("gloo", "nccl"):
-                await self._llm.collective_rpc("relayrl_close_group")
-
-    def _check_version(self, version: int) -> None:
-        if version <= self.version:
-            raise FailedPrecondition(f"version {version} is not newer than the replica's {self.version}")
-
-    async def update_weights(
-        self,
-        version: int,
-        buckets: list[ws.Bucket],
-        transport_only: bool = False,
-        source: BucketSource | None = None,
-    ) -> tuple[int, float, list[int]]:
-        """Take ``buckets`` over the open weight sync and switch to ``version`` (or, with
-        ``transport_only``, take and discard them: the weights and version stay). Over a group
-        the learner broadcasts them; over SHM or IPC ``source`` says where they are."""
-        from relayrl.generator.worker_ext import plan_to_wire
-
-        if self._sync is None:
-            raise FailedPrecondition("weight sync is not open (InitWeightSync first)")
-        grouped = self._sync.transport in ("gloo", "nccl")
-        if grouped != (source is None):
-            raise InvalidRequest(f"the open weight sync is {self._sync.transport}: buckets must come over it")
-        plan = plan_to_wire(buckets)
-        if source is None:
-            method, where = "relayrl_receive", ()
-        elif self._sync.transport == "shm" and source.shm_segment:
-            if len(source.shm_offsets) != len(buckets):
-                raise InvalidRequest(f"{len(source.shm_offsets)} shm offsets for {len(buckets)} buckets")
-            ready = (source.shm_push_id, source.shm_ready_offset, self._sync.timeout_s)
-            method, where = "relayrl_read_shm", (source.shm_segment, list(source.shm_offsets), *ready)
-        elif self._sync.transport == "ipc" and source.ipc:
-            if len(source.ipc) != len(buckets):
-                raise InvalidRequest(f"{len(source.ipc)} IPC buffers for {len(buckets)} buckets")
-            method, where = "relayrl_read_ipc", ([asdict(x) for x in source.ipc],)
-        else:
-            raise InvalidRequest(
-                f"the open weight sync is {self._sync.transport}: the request names no {self._sync.transport} buffers"
-            )
-        if transport_only:
-            t0 = time.monotonic()
-            nbytes, sums = (await self._llm.collective_rpc(method, args=(plan, *where, False)))[0]
-            return int(nbytes), time.monotonic() - t0, list(sums)
-        problems = ws.check_plan([t for b in buckets for t in b.tensors], self._expected, self._optional)
-        stale = version <= self.version
-        if problems or stale:
-            if grouped:  # drain the broadcast so the learner is not left blocked, then refuse it
-                await self._llm.collective_rpc(method, args=(plan, *where, False))
-            self._check_version(version)
-            raise InvalidRequest("weight plan does not match the model: " + "; ".join(problems))
-        return await self._swap_in(version, method, (plan, *where, True))
-
-    async def load_weights(
-        self, version: int, items: list[tuple[str, str, list[int], bytes]]
-    ) -> tuple[int, float]:
-        """Load tensors received over gRPC and switch to ``version``."""
-        self._check_version(version)
-        metas = [ws.TensorMeta(n, d, tuple(s)) for n, d, s, _ in items]
-        if problems := ws.check_plan(metas, self._expected, self._optional):
-            raise InvalidRequest("weights do not match the model: " + "; ".join(problems))
-        for m, (*_, data) in zip(metas, items, strict=True):
-            if len(data) != m.nbytes:
-                raise InvalidRequest(
-                    f"{m.name}: {len(data)} bytes for {m.dtype}{m.shape} ({m.nbytes} expected)"
-                )
-        named = [(m.name, ws.from_bytes(d, m)) for m, (*_, d) in zip(metas, items, strict=True)]
-        if bad := await asyncio.to_thread(ws.non_finite, named):  # a pass over every byte: off the loop
-            raise InvalidRequest(f"{bad}: holds NaN or infinite values; weights unchanged")
-        return await self._swap_in(version, "relayrl_load_bytes", (items,))
-
-    async def _swap_in(self, version: int, method: str, args: tuple) -> tuple[int, float, list[int]]:
-        async with self._swap_lock:
-            self._check_version(version)
-            t0 = time.monotonic()
-            llm = self._llm
-            async with self._gate.swap():
-                # End every request in the engine (they continue once the swap is over) and clear
-                # the prefix cache; the engine is idle when this returns.
-                await llm.pause_generation(mode="abort", clear_cache=True)
-                try:
-                    try:
-                        results = await llm.collective_rpc(method, args=args)
-                    except Exception as e:
-                        # A load that failed half-way leaves weights of no known version: stop
-                        # being ready so no sample is attributed to the wrong policy, until a
-                        # complete load (every tensor, as check_plan demands) succeeds.
-                        self._weights_broken = True
-                        raise Unavailable(
-                            f"weight load of version {version} failed half-way ({e}); the replica "
-                            "serves nothing until a complete version loads"
-                        ) from e
-                    self.version = version
-                    self._weights_broken = False
-                    await llm.reset_prefix_cache()
-                finally:
-                    await llm.resume_generation()
-            nbytes, checksums = results[0]  # the first worker speaks for the replica
-            return int(nbytes), time.monotonic() - t0, list(checksums)
 
 
 def has_cuda() -> bool:

@@ -31,6 +31,18 @@ MAX_SYNC_TIMEOUT_S = 86400.0
 """Longest InitWeightSync timeout accepted (a day)."""
 MAX_TEMPERATURE = 100.0
 """Highest sampling temperature accepted (engines may allow less: vLLM stops at 2)."""
+MAX_VERSION = (1 << 53) - 1
+"""Highest policy version accepted: a version near 2^64 would leave no newer one to send (and
+2^53 is where a double, as JSON and many clients carry numbers, stops counting exactly)."""
+MAX_WORLD_SIZE = 1 << 16
+"""Most ranks a weight-sync group may have (the learner and every generator worker)."""
+
+
+def check_version(version: int) -> int:
+    """A request's policy version, within bounds (``MAX_VERSION``)."""
+    if version > MAX_VERSION:
+        raise InvalidRequest(f"version must be at most 2^53 - 1, got {version}")
+    return version
 
 
 def sampling_from_proto(p: generator_pb2.SamplingParams) -> SamplingSpec:
@@ -152,6 +164,8 @@ def sync_spec_from_proto(r: generator_pb2.InitWeightSyncRequest, device: str) ->
         raise InvalidRequest(f"master_port must be 1-65535, got {r.master_port}")
     if len(r.group_name) > 128:
         raise InvalidRequest("group_name takes at most 128 characters")
+    if not 2 <= r.world_size <= MAX_WORLD_SIZE:
+        raise InvalidRequest(f"world_size must be 2-{MAX_WORLD_SIZE}, got {r.world_size}")
     return SyncSpec(
         transport,
         r.master_addr,

@@ -9,20 +9,29 @@ Loading goes through the worker's ``reload_weights(weights_iterator=...)``: vLLM
 reload, which re-runs the post-load processing. A plain ``model.load_weights`` is not enough on
 CPU, where vLLM repacks linear weights into CPU kernels after loading. Buckets are received
 inside the iterator, so at most one bucket plus one layer's weights are staged at a time.
+
+What a load answers is an ``outcome`` (plain data, so it survives ``collective_rpc``, where an
+exception arrives as a bare message): bytes and per-bucket checksums, or the error, its kind
+(``invalid``, ``data_loss``, ``unavailable``: the engine maps them to status codes) and whether
+any weight had reached the model (``touched``). A load that fails before its first tensor was
+handed to vLLM leaves the previous weights exactly as they were: vLLM puts back the tensors of
+every layer that received nothing.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 from relayrl.common import groupwait
 from relayrl.common import weightsync as ws
 from relayrl.common.cudaipc import Shared, open_shared
 from relayrl.common.placement import gpu_uuid
-from relayrl.common.shm import ReadyTable, Segment
+from relayrl.common.shm import Reader, ReadyTable, Truncated
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +57,41 @@ def plan_to_wire(buckets: list[ws.Bucket]) -> list[dict]:
         }
         for b in buckets
     ]
+
+
+class LoadError(Exception):
+    """A load that cannot go on; ``kind`` is what the engine answers (see the module doc)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def kind_of(e: BaseException) -> str:
+    if isinstance(e, LoadError):
+        return e.kind
+    if isinstance(e, Truncated):
+        return "data_loss"
+    return "unavailable"  # a receive failed, a push was given up or a bucket came too late
+
+
+def outcome(nbytes: int = 0, checksums=(), kind: str = "", error: str = "", touched: bool = False) -> dict:
+    """What a worker answers for one load (plain data: it crosses ``collective_rpc``)."""
+    return {"nbytes": nbytes, "checksums": list(checksums), "kind": kind, "error": error, "touched": touched}
+
+
+@dataclass
+class _Load:
+    """Progress of one load: checksums so far, the first failure, whether vLLM got a tensor."""
+
+    checksums: list[int] = field(default_factory=list)
+    kind: str = ""
+    error: str = ""
+    touched: bool = False
+
+    def fail(self, kind: str, error: str) -> None:
+        if not self.error:
+            self.kind, self.error = kind, error
 
 
 class WeightSyncExtension:
@@ -89,14 +133,15 @@ class WeightSyncExtension:
         return gpu_uuid(device.index or 0) if device.type == "cuda" else ""
 
     def relayrl_probe_shm(self, segment: str, checksum: int) -> None:
-        """Open the learner's probe segment and check the value it holds (SHM can work)."""
-        seg = Segment.attach(segment)
+        """Read the learner's probe segment and check the value it holds (SHM can work). The
+        error never says what the segment held: the name came from a caller."""
+        seg = Reader.open(segment)
         try:
-            got = int.from_bytes(bytes(seg.view()[:8].tolist()), "little")
+            got = seg.read_u64(0)
         finally:
             seg.close()
         if got != checksum:
-            raise ValueError(f"shared-memory probe {segment} holds {got}, expected {checksum}")
+            raise ValueError(f"shared-memory probe {segment} does not hold the value the learner wrote")
 
     def relayrl_probe_ipc(self, shared: dict, checksum: int) -> None:
         """Open the learner's probe buffer on this worker's GPU and check its value (IPC can work)."""
@@ -104,16 +149,15 @@ class WeightSyncExtension:
         got = int.from_bytes(bytes(buf[:8].cpu().tolist()), "little")
         del buf
         if got != checksum:
-            raise ValueError(f"CUDA IPC probe holds {got}, expected {checksum}")
+            raise ValueError("the CUDA IPC probe does not hold the value the learner wrote")
 
-    def relayrl_receive(self, plan: list[dict], load: bool) -> tuple[int, list[int]]:
+    def relayrl_receive(self, plan: list[dict], load: bool) -> dict:
         """Receive every bucket of ``plan`` from rank 0 of the open group; load them if ``load``,
         else discard them (a rejected plan is still drained so the sender and the group are not
-        left hanging; a transport-only push is timed this way). Returns the bytes received and
-        each bucket's checksum."""
+        left hanging; a transport-only push is timed this way)."""
         pg = getattr(self, "_relayrl_pg", None)
         if pg is None:
-            raise RuntimeError("no weight-sync group is open")
+            return outcome(kind="unavailable", error="no weight-sync group is open")
         buckets = plan_from_wire(plan)
         return self._relayrl_take(buckets, self._relayrl_buffers(pg, buckets), load)
 
@@ -126,63 +170,86 @@ class WeightSyncExtension:
         ready_offset: int,
         timeout_s: float,
         load: bool,
-    ):
+    ) -> dict:
         """The buckets of ``plan`` from the learner's shared-memory segment, at ``offsets``; with a
         ``push_id`` each is taken as soon as the ready table marks it complete (the learner is
-        still packing the next ones: loading overlaps gathering)."""
+        still packing the next ones: loading overlaps gathering). The segment and where the
+        request says things are in it are checked before the model is touched."""
         buckets = plan_from_wire(plan)
-        seg = Segment.attach(segment)
         try:
-            whole = seg.view()
-            if any(o + b.nbytes > seg.size for b, o in zip(buckets, offsets, strict=True)):
-                raise ValueError(f"plan does not fit segment {segment} ({seg.size} bytes)")
-            table = ReadyTable(seg, ready_offset, len(buckets)) if push_id else None
+            seg = Reader.open(segment)
+        except ValueError as e:
+            return outcome(kind="invalid", error=str(e))
+        try:
+            try:
+                table = _layout(seg, buckets, offsets, push_id, ready_offset)
+            except ValueError as e:
+                return outcome(kind="invalid", error=str(e))
             deadline = time.monotonic() + timeout_s
-
-            def sources():
-                for i, (b, o) in enumerate(zip(buckets, offsets, strict=True)):
-                    buf = whole[o : o + b.nbytes]
-                    if table is None:
-                        yield b, buf, None
-                        continue
-                    expected = table.wait(i, push_id, deadline)
-                    # The mark may become visible before the bytes on weakly ordered CPUs (ARM):
-                    # re-read briefly; a lasting mismatch goes back to the learner (DATA_LOSS).
-                    settle = time.monotonic() + 1.0
-                    while (got := ws.checksum(buf)) != expected and time.monotonic() < settle:
-                        time.sleep(1e-3)
-                    yield b, buf, got
-
-            result = self._relayrl_take(buckets, sources(), load)
-            whole = None  # release the view before unmapping
-            return result
+            return self._relayrl_take(
+                buckets, _shm_sources(seg, buckets, offsets, table, push_id, deadline), load
+            )
         finally:
             seg.close()
 
-    def relayrl_read_ipc(self, plan: list[dict], shared: list[dict], load: bool):
-        """The buckets of ``plan`` from the learner's CUDA buffers (one per bucket, same GPU)."""
+    def relayrl_read_ipc(self, plan: list[dict], shared: list[dict], load: bool) -> dict:
+        """The buckets of ``plan`` from the learner's CUDA buffers (one per bucket, same GPU), all
+        opened before the model is touched."""
         buckets = plan_from_wire(plan)
         index = self._relayrl_model_device().index or 0
-        sources = ((b, open_shared(Shared(**s), index), None) for b, s in zip(buckets, shared, strict=True))
-        return self._relayrl_take(buckets, sources, load)
+        try:
+            bufs = [open_shared(Shared(**s), index) for s in shared]
+        except Exception as e:  # a handle that is not one, another GPU's, a CPU replica
+            return outcome(kind="invalid", error=f"a CUDA IPC buffer cannot be opened here: {e}")
+        sizes = [b.nbytes for b in buckets]
+        if [t.numel() for t in bufs] != sizes:
+            return outcome(
+                kind="invalid", error=f"the CUDA IPC buffers do not hold the plan's buckets ({sizes} bytes)"
+            )
+        return self._relayrl_take(
+            buckets, ((b, buf, None) for b, buf in zip(buckets, bufs, strict=True)), load
+        )
 
-    def _relayrl_take(self, buckets: list[ws.Bucket], sources, load: bool) -> tuple[int, list[int]]:
-        """Take every (bucket, buffer) of ``sources``: checksum each, load them if ``load`` (else
-        just read them through). Returns the bytes taken and the checksums."""
-        self._relayrl_checksums = []
-        if not load:
-            for _b, buf, known in sources:
-                self._relayrl_checksums.append(ws.checksum(buf) if known is None else known)
-        else:
+    def _relayrl_take(self, buckets: list[ws.Bucket], sources, load: bool) -> dict:
+        """Take every (bucket, buffer, checksum or None) of ``sources``: checksum each, load them
+        if ``load`` (else just read them through). Returns the load's ``outcome``."""
+        state = _Load()
+        if load:
             # Resolve the device now: during a layerwise reload the model's parameters sit on
             # the meta device, so asking them inside the iterator would give "meta".
-            device = self._relayrl_model_device()
-            self._relayrl_failure = None
-            self.reload_weights(weights_iterator=self._relayrl_stream(sources, device))
-            self._relayrl_refresh_tied()
-            if self._relayrl_failure is not None:
-                raise self._relayrl_failure
-        return sum(b.nbytes for b in buckets), self._relayrl_checksums
+            self._relayrl_reload(self._relayrl_stream(sources, self._relayrl_model_device(), state), state)
+        else:
+            try:
+                for _b, buf, known in sources:
+                    state.checksums.append(ws.checksum(buf) if known is None else known)
+            except Exception as e:
+                state.fail(kind_of(e), f"weights stopped arriving: {e}")
+        return outcome(
+            sum(b.nbytes for b in buckets), state.checksums, state.kind, state.error, state.touched
+        )
+
+    def _relayrl_reload(self, weights: Iterator[tuple[str, torch.Tensor]], state: _Load) -> None:
+        """vLLM's layerwise reload of ``weights``. Our iterator never raises into it; should vLLM's
+        own loader raise, the reload it left open (layers on the meta device, loaders wrapped:
+        every later reload would fail) is finished here, so the next complete load still works."""
+        try:
+            self.reload_weights(weights_iterator=weights)
+        except Exception as e:
+            state.touched = True  # how far vLLM got is unknown
+            state.fail("unavailable", f"vLLM's weight loader failed: {e}")
+            try:
+                self._relayrl_finish_reload()
+            except Exception:
+                logger.exception("could not finish the failed reload: the next load may fail too")
+            return
+        self._relayrl_refresh_tied()
+
+    def _relayrl_finish_reload(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
 
     def _relayrl_buffers(
         self, pg, buckets: list[ws.Bucket]
@@ -205,45 +272,60 @@ class WeightSyncExtension:
                 nxt = post(buckets[i + 1])
             yield b, buf, None
 
-    def _relayrl_stream(self, sources, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-        """The tensors of ``sources`` for vLLM's reload. It never raises into the reload: an
+    def _relayrl_stream(
+        self, sources, device: torch.device, state: _Load
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors of ``sources`` for vLLM's reload. Nothing here raises into the reload: an
         error there leaves the layers it had started without their loaders, and every later
         reload fails (measured: a push abandoned after two buckets bricked the replica). So a
-        failure ends the stream early and is kept in ``_relayrl_failure``; ``_relayrl_take``
-        raises it once the reload has closed."""
-        bad = None
+        failure ends the stream early (or, for a bucket that is bad, drains the rest: the sender
+        must not be left blocked mid-broadcast) and is kept in ``state``."""
         it = iter(sources)
-        while True:
+        for i in itertools.count():
             try:
                 b, buf, known = next(it)
             except StopIteration:
-                break
-            except Exception as e:  # a receive failed (push abandoned, connection lost)
-                self._relayrl_failure = RuntimeError(f"weights stopped arriving: {e}")
                 return
-            self._relayrl_checksums.append(ws.checksum(buf) if known is None else known)
+            except Exception as e:  # a receive failed, a push was abandoned, a segment shrank
+                state.fail(kind_of(e), f"weights stopped arriving: {e}")
+                return
+            try:
+                state.checksums.append(ws.checksum(buf) if known is None else known)
+                if state.error:
+                    continue
+                tensors = ws.unpack(b, buf.to(device))
+                bad = ws.non_finite(tensors)
+            except Exception as e:
+                state.fail("invalid", f"bucket {i} cannot be read as its plan says: {e}")
+                continue
             if bad is not None:
-                continue  # drain the rest: the sender must not be left blocked mid-broadcast
-            tensors = ws.unpack(b, buf.to(device))
-            if (bad := ws.non_finite(tensors)) is None:
-                yield from tensors
-        if bad is not None:
-            # Loading stopped at that bucket; the engine marks the replica unready rather than
-            # serve a policy that is part old, part garbage.
-            self._relayrl_failure = ValueError(f"{bad}: received NaN or infinite values")
+                state.fail("invalid", f"{bad}: received NaN or infinite values")
+                continue
+            state.touched = True
+            yield from tensors
 
-    def relayrl_load_bytes(self, items: list[tuple[str, str, list[int], bytes]]) -> int:
-        """Load tensors sent as raw bytes (the gRPC fallback path). Returns the bytes loaded."""
+    def relayrl_load_bytes(self, items: list[tuple[str, str, list[int], bytes]]) -> dict:
+        """Load tensors sent as raw bytes (the gRPC fallback path); the checksums are one per
+        tensor, of the bytes handed to vLLM."""
         device = self._relayrl_model_device()  # before the reload moves parameters to meta
+        state = _Load()
 
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
             for name, dtype, shape, data in items:
-                t = torch.frombuffer(bytearray(data), dtype=ws.torch_dtype(dtype)).view(shape)
-                yield name, t.to(device)
+                try:
+                    t = torch.frombuffer(bytearray(data), dtype=ws.torch_dtype(dtype)).view(shape)
+                    state.checksums.append(ws.checksum(t.view(-1).view(torch.uint8)))
+                    t = t.to(device)
+                except Exception as e:
+                    state.fail("invalid", f"{name}: cannot be read as {dtype}{tuple(shape)}: {e}")
+                    return
+                state.touched = True
+                yield name, t
 
-        self.reload_weights(weights_iterator=weights())
-        self._relayrl_refresh_tied()
-        return sum(len(d) for *_, d in items), []
+        self._relayrl_reload(weights(), state)
+        return outcome(
+            sum(len(d) for *_, d in items), state.checksums, state.kind, state.error, state.touched
+        )
 
     def _relayrl_refresh_tied(self) -> None:
         """Re-run post-load processing of a tied ``lm_head``.
@@ -275,3 +357,38 @@ class WeightSyncExtension:
 
     def _relayrl_comm_device(self, backend: str) -> torch.device:
         return self._relayrl_model_device() if backend == "nccl" else torch.device("cpu")
+
+
+def _layout(seg: Reader, buckets: list[ws.Bucket], offsets: list[int], push_id: int, ready_offset: int):
+    """Check that every bucket (and the ready table of a pipelined push) lies inside the segment;
+    returns the ready table, or None when every bucket is in place already."""
+    if len(offsets) != len(buckets):
+        raise ValueError(f"{len(offsets)} offsets for {len(buckets)} buckets")
+    for i, (b, o) in enumerate(zip(buckets, offsets, strict=True)):
+        if o < 0 or o + b.nbytes > seg.size:
+            raise ValueError(
+                f"bucket {i} at offset {o} ({b.nbytes} bytes) does not fit segment {seg.name} ({seg.size} bytes)"
+            )
+    return ReadyTable(seg, ready_offset, len(buckets)) if push_id else None
+
+
+def _shm_sources(seg: Reader, buckets, offsets, table: ReadyTable | None, push_id: int, deadline: float):
+    """Each bucket read out of the segment into memory of its own (a later change to the segment
+    cannot reach what is checked and loaded), once the ready table marks it complete; a bucket
+    whose bytes keep differing from the checksum the learner wrote is not loaded (DATA_LOSS)."""
+    for i, (b, o) in enumerate(zip(buckets, offsets, strict=True)):
+        expected = table.wait(i, push_id, deadline) if table is not None else None
+        buf = torch.empty(b.nbytes, dtype=torch.uint8)
+        seg.read_into(o, buf)
+        got = ws.checksum(buf)
+        # The mark may become visible before the bytes on weakly ordered CPUs (ARM): re-read briefly.
+        settle = time.monotonic() + 1.0
+        while expected is not None and got != expected and time.monotonic() < settle:
+            time.sleep(1e-3)
+            seg.read_into(o, buf)
+            got = ws.checksum(buf)
+        if expected is not None and got != expected:
+            raise LoadError(
+                "data_loss", f"bucket {i} in segment {seg.name} does not match the checksum the learner wrote"
+            )
+        yield b, buf, got

@@ -8,6 +8,20 @@ from pydantic import Field, model_validator
 from relayrl.common.config import StrictModel
 from relayrl.common.serving import ClientSecurity, ServeConfig
 
+K3_BOUND = 10.0
+"""Bound, in nats, of the per-token k3 KL estimate wherever relayrl computes one: in the actor's
+loss (``loss.kl_estimator: k3``) and in the reward (``algorithm.kl_penalty: k3``), as verl's
+``low_var_kl`` clamps both to [-10, 10]. k3 = e^-d + d - 1 (d = log(pi/ref)) grows like e^-d: at 30
+nats below the reference its gradient would be -1e13 x kl_coef, enough to wipe out a step. The
+log-ratio is clamped to [-K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND] before the exponential (no
+overflow, no 0 x inf in backward) and the estimate to [-K3_BOUND, K3_BOUND] (k3 is never
+negative, so at most K3_BOUND): past the bound (about 2.6 nats below the reference, 11 above) a
+token's KL gives no gradient, and inside it the gradient is at most e^2.6 - 1, about 12.6, times
+kl_coef."""
+K3_LOG_RATIO_BOUND = 20.0
+"""Clamp of the log-ratio inside k3, before the exponential (verl's): past it k3 is past
+``K3_BOUND`` anyway."""
+
 
 class LossConfig(StrictModel):
     """The policy loss. GRPO, Dr.GRPO and DAPO differ in clipping and in how tokens are averaged."""
@@ -27,7 +41,9 @@ class LossConfig(StrictModel):
     """Weight of the KL penalty to the frozen reference model; 0 loads no reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator: k1 = log ratio, k2 = half its square, k3 = Schulman's unbiased low-variance
-    estimator."""
+    estimator, clamped per token to [-10, 10] nats (``K3_BOUND``, the same bound as the reward's
+    ``algorithm.kl_penalty: k3``, and verl's): a token far below the reference then adds a bounded
+    KL and no gradient, instead of one that grows like e^gap. k1 and k2 are not clamped."""
     kl_ratio: bool = False
     """Multiply the per-token KL by the policy's importance ratio (TRL's bias-corrected k3):
     the KL's gradient is then unbiased for samples drawn by the behaviour policy."""
@@ -124,7 +140,15 @@ class LearnerConfig(StrictModel):
     when the replica registers (falling back ipc -> shm -> gloo when a probe fails). Anything
     else forces that transport for every replica, and a replica it cannot reach is refused."""
     weight_sync_timeout_seconds: float = Field(300.0, gt=0)
-    """Limit for generators to join the weight-sync group and for each broadcast."""
+    """Limit for generators to join the weight-sync group, for each broadcast, and for each
+    replica to answer a push once the learner has sent it (a replica silent longer is named in
+    the push's error; training does not wait for it)."""
+    heartbeat_timeout_seconds: float = Field(120.0, ge=1, le=86400)
+    """Longest silence between rank 0 and the other ranks (rank 0 beats every tenth of it, on a
+    group of its own): a follower that does not hear rank 0 for this long exits with status 1, and
+    rank 0 stops serving and exits with status 1 when a follower does not take a beat, so that
+    their supervisor restarts the learner rather than ranks waiting on each other for ever. Also
+    the limit for the other ranks to take rank 0's last command at shutdown."""
     rpc_deadline_seconds: float = Field(600.0, gt=0)
     """Deadline of the learner's own calls to generators (InitWeightSync, UpdateWeights)."""
     checkpoint_dir: str = "checkpoints"

@@ -8,6 +8,7 @@ a command on the control channel, then runs the collective part itself. Other ra
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -24,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 TAG_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 MAX_TAG_CHARS = 128
+MAX_CLIENT_STATE_CHARS = 1 << 20
+"""Longest ``client_state_json`` a checkpoint keeps: a caller's cursor and counters, not data
+(every rank stores it in its checkpoint and LoadCheckpoint sends it back)."""
 
 
 def check_tag(tag: str) -> str:
@@ -45,6 +49,34 @@ def check_tag(tag: str) -> str:
             f"tag {shown!r}: use 1 to {MAX_TAG_CHARS} letters, digits, '.', '_' or '-', starting with a letter or digit"
         )
     return tag
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def check_client_state(text: str) -> str:
+    """A checkpoint's ``client_state_json``: empty, or one JSON text (RFC 8259: no NaN or
+    Infinity, which other languages' parsers refuse) of at most ``MAX_CLIENT_STATE_CHARS``. It is
+    given back as is by LoadCheckpoint: refused now rather than unreadable at the resume.
+
+    >>> check_client_state('{"step": 3}')
+    '{"step": 3}'
+    >>> check_client_state("{step: 3}")
+    Traceback (most recent call last):
+    ...
+    relayrl.common.rpc.InvalidRequest: client_state_json is not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)
+    """
+    if len(text) > MAX_CLIENT_STATE_CHARS:
+        raise InvalidRequest(
+            f"client_state_json has {len(text)} characters; at most {MAX_CLIENT_STATE_CHARS}"
+        )
+    if text:
+        try:
+            json.loads(text, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as e:
+            raise InvalidRequest(f"client_state_json is not JSON: {str(e)[:200]}") from None
+    return text
 
 
 class LearnerCore:
@@ -141,8 +173,10 @@ class LearnerCore:
         self.control.send({"op": "export", "path": path, "bucket_bytes": bucket_bytes})
         self.trainer.export(path, bucket_bytes)
 
-    def stop(self) -> None:
-        self.control.send({"op": "stop"})
+    def stop(self, timeout: float | None = None) -> None:
+        """Release the other ranks from ``follow``; within ``timeout`` seconds when given (a
+        rank that does not take it within that is left to its heartbeat)."""
+        self.control.send({"op": "stop"}, timeout=timeout)
 
     # -- shared ---------------------------------------------------------------------------
     def follow(self) -> None:

@@ -30,8 +30,9 @@ exp(mean_t log(pi/pi_behavior)), clipped as PPO's; per token GSPO-token's sg[s_i
 each token's gradient carries the sequence's ratio. Aggregated per sequence (mean of means).
 
 KL to a frozen reference (``kl_coef`` > 0): k1 = log(pi/ref); k2 = log(pi/ref)^2 / 2; k3 =
-ref/pi - log(ref/pi) - 1 (Schulman's unbiased, non-negative estimator), added per token before
-aggregation; with ``kl_ratio`` multiplied by the policy's ratio (TRL's bias-corrected KL).
+ref/pi - log(ref/pi) - 1 (Schulman's unbiased, non-negative estimator, clamped to ``K3_BOUND`` as
+the reward's k3 is, verl's bound), added per token before aggregation; with ``kl_ratio``
+multiplied by the policy's ratio (TRL's bias-corrected KL).
 
 Value loss of the critic (PPO; verl's ``compute_value_loss``): 0.5 max((V - R)^2, (clip(V,
 V_old - c, V_old + c) - R)^2) per token, aggregated as the policy loss.
@@ -42,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from relayrl.learner.config import LossConfig
+from relayrl.learner.config import K3_BOUND, K3_LOG_RATIO_BOUND, LossConfig
 
 
 @dataclass
@@ -66,11 +67,14 @@ class Totals:
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL(pi || ref) estimate.
+    """Per-token KL(pi || ref) estimate; k3 clamped as the reward's (``K3_BOUND``: the log-ratio
+    before the exponential, then the estimate), so its gradient stays bounded far from the reference.
 
     >>> lp, ref = torch.tensor([-1.0]), torch.tensor([-2.0])
     >>> round(kl_estimate(lp, ref, "k1").item(), 4), round(kl_estimate(lp, ref, "k3").item(), 4)
     (1.0, 0.3679)
+    >>> kl_estimate(torch.tensor([-31.0]), torch.tensor([-1.0]), "k3").item()
+    10.0
     """
     log_ratio = logprobs - ref_logprobs  # log(pi / ref)
     if estimator == "k1":
@@ -78,7 +82,8 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     if estimator == "k2":
         return 0.5 * log_ratio * log_ratio
     if estimator == "k3":
-        return torch.exp(-log_ratio) + log_ratio - 1.0
+        d = log_ratio.clamp(-K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND)
+        return (torch.exp(-d) + d - 1.0).clamp(-K3_BOUND, K3_BOUND)
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
@@ -140,9 +145,12 @@ def value_loss(
     if clip is None:
         per_token, clipped = err, torch.zeros_like(err)
     else:
-        clipped_values = old_values + (values - old_values).clamp(-clip, clip)
-        err_clipped = (clipped_values - returns) ** 2
-        per_token, clipped = torch.maximum(err, err_clipped), (err_clipped > err).to(values.dtype)
+        delta = values - old_values
+        err_clipped = (old_values + delta.clamp(-clip, clip) - returns) ** 2
+        per_token = torch.maximum(err, err_clipped)
+        # Counted from the comparison, not from the round trip: old + (v - old) is v give or take
+        # one ulp, enough for err_clipped > err on a token the clip never touched.
+        clipped = ((delta.abs() > clip) & (err_clipped > err)).to(values.dtype)
     loss = _aggregate(0.5 * per_token, mask, how, totals)
     return loss, {
         "vf_clipped": float((clipped * mask).sum()),

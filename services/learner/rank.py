@@ -45,7 +45,15 @@ def init_distributed() -> str:
     return backend
 
 
-async def serve(core, cfg: LearnerConfig, backend: str, port_file: str | None) -> None:
+def exit_now(code: int, reason: str) -> None:
+    """Exit at once, logs flushed: past a broken collective, a normal exit can wait for ever (on
+    gloo's pending work, or on a worker thread stuck in a collective)."""
+    logger.error("%s; exiting with status %d", reason, code)
+    logging.shutdown()
+    os._exit(code)
+
+
+async def serve(core, cfg: LearnerConfig, backend: str, port_file: str | None, heartbeat) -> None:
     from relayrl.common.grpc_server import announce_and_serve, create_server, start, start_metrics_server
     from relayrl.learner.servicer import LearnerServicer
     from relayrl.learner.sync import WeightSync
@@ -75,10 +83,16 @@ async def serve(core, cfg: LearnerConfig, backend: str, port_file: str | None) -
     servicer.on_broken = lambda: asyncio.ensure_future(handle.set_ready(False))
 
     async def release_followers() -> None:
-        if servicer.broken is None:
-            await asyncio.to_thread(core.stop)
+        if servicer.broken is None:  # ranks in step: each returns from follow() and exits
+            await asyncio.to_thread(core.stop, cfg.heartbeat_timeout_seconds)
+        await asyncio.to_thread(heartbeat.stop)
 
     handle.on_shutdown.append(release_followers)
+    loop = asyncio.get_running_loop()
+    lost: asyncio.Future[str] = loop.create_future()
+    heartbeat.on_lost = lambda reason: loop.call_soon_threadsafe(
+        lambda: lost.done() or lost.set_result(f"learner: {reason}")
+    )
 
     async def free_staging() -> None:  # the shared-memory segment must not outlive the learner
         sync.close()
@@ -93,7 +107,13 @@ async def serve(core, cfg: LearnerConfig, backend: str, port_file: str | None) -
         core.trainer.world_size,
         metrics_port,
     )
-    await announce_and_serve(handle, "learner", cfg.serve.host, cfg.serve.grace_seconds, port_file)
+    reason = await announce_and_serve(
+        handle, "learner", cfg.serve.host, cfg.serve.grace_seconds, port_file, fatal=lost
+    )
+    # Other ranks out of reach, or out of step: a worker thread may be stuck in a collective and
+    # nothing can end cleanly; exit for the supervisor to restart every rank.
+    if why := reason or core.control.broken or servicer.broken:
+        exit_now(1, why)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,16 +125,23 @@ def main(argv: list[str] | None = None) -> int:
     cfg = cfg_mod.load(LearnerConfig, args.config)
     backend = init_distributed()
     import torch.distributed as dist
-    from relayrl.learner.control import Control
+    from relayrl.learner.control import Control, Heartbeat
     from relayrl.learner.core import LearnerCore
     from relayrl.learner.trainer import Trainer
 
     trainer = Trainer(cfg)
     core = LearnerCore(trainer, Control())
+    # Rank 0's reaction to a lost follower is set by serve(); a follower can only exit.
+    heartbeat = Heartbeat(cfg.heartbeat_timeout_seconds, lambda reason: exit_now(1, reason)).start()
     if dist.get_rank() == 0:
-        asyncio.run(serve(core, cfg, backend, args.port_file))
+        asyncio.run(serve(core, cfg, backend, args.port_file, heartbeat))
     else:
-        core.follow()
+        try:
+            core.follow()
+        except Exception as e:  # rank 0 went away mid-command, or a collective failed
+            logger.exception("learner rank %d: following rank 0 failed", dist.get_rank())
+            exit_now(1, f"rank {dist.get_rank()}: {type(e).__name__}: {e}")
+        heartbeat.stop()  # rank 0's last beat follows its stop command
     dist.destroy_process_group()
     return 0
 

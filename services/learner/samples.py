@@ -3,7 +3,6 @@ rank 0 before any collective starts), and padded into a micro-batch's tensors.""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -14,6 +13,11 @@ from relayrl.learner.v1 import learner_pb2
 MAX_ABS_VALUE = 1e6
 """Largest advantage, return or value magnitude accepted (normalised advantages are a few units;
 anything near float limits makes the loss and the gradient infinite)."""
+MIN_LOGPROB = -1000.0
+"""Lowest generator log-probability accepted, in nats. A sampled token's log-probability is a few
+tens of nats at worst (a 150k vocabulary spread evenly is -12); e^-1000 is below the smallest
+float64, so nothing sampled has it: -1e30 is a wrong field, not a rare token (unrefused it gave
+every token the loss's largest ratio, a loss of 4.85e8)."""
 
 
 @dataclass
@@ -92,8 +96,22 @@ def check_tokens(where: str, prompt, completion, vocab_size: int, max_len: int) 
 def _finite_per_token(where: str, name: str, values, n: int, required: bool) -> None:
     if (values or required) and len(values) != n:
         raise InvalidRequest(f"{where}: {len(values)} {name} for {n} completion tokens")
-    if not all(abs(x) <= MAX_ABS_VALUE for x in values):  # also refuses NaN
-        raise InvalidRequest(f"{where}: {name} must be finite, |x| <= {MAX_ABS_VALUE:g}")
+    for t, x in enumerate(values):
+        if not abs(x) <= MAX_ABS_VALUE:  # also refuses NaN
+            raise InvalidRequest(
+                f"{where}: {name}[{t}] is {x:g}; each must be finite, |x| <= {MAX_ABS_VALUE:g}"
+            )
+
+
+def _check_logprobs(where: str, logprobs) -> None:
+    """Log-probabilities of sampled tokens: in [MIN_LOGPROB, 0] (NaN refused too); names the first
+    bad token."""
+    for t, x in enumerate(logprobs):
+        if not MIN_LOGPROB <= x <= 0.0:
+            raise InvalidRequest(
+                f"{where}: generator_logprobs[{t}] is {x:g}; a log-probability must be in "
+                f"[{MIN_LOGPROB:g}, 0]"
+            )
 
 
 def decode_samples(
@@ -127,8 +145,7 @@ def decode_samples(
                 f"{where}: advantage is {s.advantage:g}; |advantage| must be <= {MAX_ABS_VALUE:g}"
             )
         _finite_per_token(where, "token_advantages", s.token_advantages, n, required=False)
-        if not all(-math.inf < x <= 0.0 for x in s.generator_logprobs):
-            raise InvalidRequest(f"{where}: generator_logprobs must be finite log-probabilities (<= 0)")
+        _check_logprobs(where, s.generator_logprobs)
         out.append(
             Sample(
                 list(s.prompt_token_ids),

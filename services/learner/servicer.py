@@ -14,6 +14,7 @@ absolute ones must lie in it; anything else is INVALID_ARGUMENT.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -34,7 +35,7 @@ from relayrl.common.rpc import (
     to_the_end,
 )
 from relayrl.learner import metrics
-from relayrl.learner.core import LearnerCore, check_tag
+from relayrl.learner.core import LearnerCore, check_client_state, check_tag
 from relayrl.learner.sync import WeightSync
 from relayrl.learner.v1 import learner_pb2, learner_pb2_grpc
 
@@ -96,6 +97,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         doc); refused unstarted when ``deadline`` (monotonic) passed while it waited its turn."""
 
         async def run():
+            # wait: held only around one collective op, which the ranks' heartbeat bounds
+            # (heartbeat_timeout_seconds); a caller whose deadline passed meanwhile is refused
             async with self.lock:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise DeadlineExceeded(
@@ -166,23 +169,17 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         if len(request.address) > 512 or len(request.replica_id) > 256:
             raise InvalidRequest("address takes at most 512 characters, replica_id 256")
         self.core.require("actor", what="RegisterGenerator")
-
-        async def register():
-            async with self.lock:  # a group may re-form: never beside a push
-                return await self.sync.register(request.replica_id, request.address)
-
-        transport = await to_the_end(register())
+        # The weight sync's own lock, not the collective one: TrainStep never waits for a replica
+        # being registered. Not shielded: a caller that gives up (cancels, or its deadline
+        # passes) takes its registration with it, undone, never done after it left.
+        transport = await self.sync.register(request.replica_id, request.address, deadline=_deadline(context))
         return learner_pb2.RegisterGeneratorResponse(
             replica_ids=self.sync.replica_ids(), policy_version=self.trainer.version, transport=transport
         )
 
     @map_errors
     async def UnregisterGenerator(self, request, context):
-        async def unregister():
-            async with self.lock:
-                await self.sync.unregister(request.replica_id)
-
-        await to_the_end(unregister())
+        await self.sync.unregister(request.replica_id, deadline=_deadline(context))
         return learner_pb2.UnregisterGeneratorResponse(replica_ids=self.sync.replica_ids())
 
     @map_errors
@@ -192,22 +189,28 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
 
         self.core.require("actor", what="PushWeights")
 
-        async def push():
+        @contextlib.asynccontextmanager
+        async def ranks():
+            # Held for the gather + send only: the replicas' answers are awaited after it, so a
+            # slow or silent replica does not hold TrainStep (sync.py bounds that wait).
+            # wait: held only around one collective op, as in _exclusive
             async with self.lock:
                 if not only and request.version != self.trainer.version:
                     raise FailedPrecondition(
                         f"version {request.version} is not the learner's policy version {self.trainer.version}"
                     )
-                t0 = time.monotonic()
-                sent, replicas = await self.sync.push(
-                    request.version,
-                    bucket_bytes,
-                    lambda sinks: self._collective(
-                        self.core.push, bucket_bytes, self.sync.dtype, sinks, only
-                    ),
-                    transport_only=only,
-                )
-                return sent, replicas, time.monotonic() - t0
+                yield
+
+        async def push():
+            t0 = time.monotonic()
+            sent, replicas = await self.sync.push(
+                request.version,
+                bucket_bytes,
+                lambda sinks: self._collective(self.core.push, bucket_bytes, self.sync.dtype, sinks, only),
+                transport_only=only,
+                exclusive=ranks,
+            )
+            return sent, replicas, time.monotonic() - t0
 
         sent, replicas, secs = await to_the_end(push())
         if not only:
@@ -220,6 +223,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     async def SaveCheckpoint(self, request, context):
         path = self.resolve(request.path)
         tag = check_tag(request.tag) if request.tag else ""
+        check_client_state(request.client_state_json)
         t0 = time.monotonic()
 
         def save():
@@ -302,3 +306,9 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
                 for r, a, v, t in self.sync.members()
             ],
         )
+
+
+def _deadline(context) -> float | None:
+    """The caller's deadline on the monotonic clock (None: it set none)."""
+    left = context.time_remaining()
+    return time.monotonic() + left if left is not None else None

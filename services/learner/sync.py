@@ -5,7 +5,8 @@ the learner's GPU, shared memory on its host, NCCL to other GPUs, gloo across CP
 forced one, and opens it at once: a group transport forms its group with the replica in it, a
 shared-memory or IPC transport has the replica open a probe the learner made. A transport that
 cannot work is refused there with the reason (after trying the next one down in auto mode:
-IPC -> shared memory, shared memory -> gloo), never at a push.
+IPC -> shared memory, shared memory -> gloo), never at a push; a member that refuses to join a
+group ends the formation at once (``groupform``).
 
 A push: every replica is asked its version (one that holds the pushed version already only
 drains a broadcast: an earlier push that failed may have reached it), every group is formed with
@@ -16,29 +17,42 @@ bytes written into the segment and marked ready bucket by bucket, and into the I
 then the IPC members get ``UpdateWeights`` naming the buffers. The staging
 segment and buffers are reused at the next push only after every member answered. A member that
 fails is dropped from its transport (its group re-forms without it) and the push reports
-UNAVAILABLE naming it, after the others got the version.
+UNAVAILABLE naming it, after the others got the version. Each answer must carry the version
+pushed and, per bucket, the checksum of what was sent; a replica whose answer differs fails the
+push with DATA_LOSS naming it.
+
+Locks: registrations and pushes queue on this object's own ``lock``; only the gather + send of a
+push runs inside the caller's ``exclusive`` (the learner's collective lock, which TrainStep
+takes): no slow or silent replica holds a training step. The answers are waited for after it,
+at most ``timeout_s``: a replica silent that long is named in the error and its staging memory
+is not written again (``staging.renew``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import socket
+import time
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 
 import grpc
 from relayrl.common import logcontext
 from relayrl.common import weightsync as ws
 from relayrl.common.placement import gpu_uuid, host_id
-from relayrl.common.rpc import DataLoss, FailedPrecondition, ServiceError, Unavailable
+from relayrl.common.rpc import DataLoss, DeadlineExceeded, FailedPrecondition, ServiceError, Unavailable
 from relayrl.common.security import client_channel
 from relayrl.common.serving import ClientSecurity
-from relayrl.common.shm import ReadyTable, Segment
+from relayrl.common.shm import Segment
 from relayrl.common.tensors import plan_to_proto, shared_to_proto
 from relayrl.generator.v1 import generator_pb2 as g
 from relayrl.generator.v1 import generator_pb2_grpc as gg
+from relayrl.learner import groupform
 from relayrl.learner.push import Sinks, WeightGroup
+from relayrl.learner.staging import Staging
 from relayrl.learner.transports import GROUP_BACKEND, Place, choose
 
 logger = logging.getLogger(__name__)
@@ -57,6 +71,11 @@ def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host if host not in ("", "0.0.0.0") else "", 0))
         return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def _alone():
+    yield
 
 
 class WeightSync:
@@ -86,26 +105,39 @@ class WeightSync:
         self.transports: dict[str, str] = {}
         self.versions: dict[str, int] = {}
         self.groups: dict[str, WeightGroup] = {}
-        self._segment: Segment | None = None
-        self._ipc: tuple[list, list] | None = None  # (CUDA buffers, their sharing fields)
+        self.staging = Staging(device)
         self._push_id = 0  # pushes through the staging segment so far (marks in its ready table)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.lock = asyncio.Lock()  # registrations and pushes, one at a time
 
     # -- membership ------------------------------------------------------------------------
-    async def register(self, replica_id: str, address: str) -> str:
+    async def register(self, replica_id: str, address: str, deadline: float | None = None) -> str:
         """Add a replica and open its transport now; returns the transport. A replica that
         registers again starts afresh (it is most likely a restarted process: its side of any
-        weight-sync group is gone, and it serves the weights it loaded, not the last ones sent)."""
-        if replica_id in self.addresses:
-            await self.unregister(replica_id)
-        self.addresses[replica_id] = address
-        try:
-            return await self._open(replica_id)
-        except BaseException:
-            await self.unregister(replica_id)
-            raise
+        weight-sync group is gone, and it serves the weights it loaded, not the last ones sent).
+        Nothing is done when ``deadline`` (monotonic) passed while it waited for its turn, and a
+        registration cancelled part-way (its caller gave up) is undone."""
+        # wait: registrations and pushes one at a time, each bounded (RPC timeouts,
+        # weight_sync_timeout_seconds); the caller's deadline or cancellation ends the wait
+        async with self.lock:
+            _check(deadline, "registration")
+            if replica_id in self.addresses:
+                await self._unregister(replica_id)
+            self.addresses[replica_id] = address
+            try:
+                return await self._open(replica_id)
+            except BaseException:
+                await _to_its_end(self._unregister(replica_id))
+                raise
 
-    async def unregister(self, replica_id: str) -> None:
+    async def unregister(self, replica_id: str, deadline: float | None = None) -> None:
+        """Forget a replica (its group re-forms without it at the next push); not done when
+        ``deadline`` passed before its turn, and not left half-done when its caller goes."""
+        async with self.lock:  # wait: as for register
+            _check(deadline, "unregistration")
+            await _to_its_end(self._unregister(replica_id))
+
+    async def _unregister(self, replica_id: str) -> None:
         transport = self.transports.pop(replica_id, None)
         self.addresses.pop(replica_id, None)
         self.versions.pop(replica_id, None)
@@ -146,6 +178,9 @@ class WeightSync:
         reasons = []
         for transport in [first, *(_FALLBACK.get(first, []) if self.forced == "auto" else [])]:
             try:
+                if transport == "nccl" and theirs.device != "cuda":
+                    # It would refuse to join, and the group's other members would wait for it.
+                    raise FailedPrecondition(f"generator {rid} runs on the CPU: no GPU for NCCL")
                 await self._stub(rid).CloseWeightSync(g.CloseWeightSyncRequest(), timeout=30)
                 self.transports[rid] = transport
                 if transport in GROUP_BACKEND:
@@ -192,12 +227,17 @@ class WeightSync:
         # waiting for a bucket stop and can answer CloseWeightSync (they would wait out the
         # group's timeout otherwise).
         await asyncio.to_thread(group.close, abandon)
-        for rid in group.members:
-            if rid in self.addresses:
-                try:
-                    await self._stub(rid).CloseWeightSync(g.CloseWeightSyncRequest(), timeout=30)
-                except grpc.RpcError as e:
-                    logger.warning("CloseWeightSync on %s failed: %s", rid, _why(e))
+        await self._close_syncs([r for r in group.members if r in self.addresses])
+
+    async def _close_syncs(self, rids: list[str]) -> None:
+        """CloseWeightSync on each of ``rids`` (a no-op where none is open)."""
+        closed = await asyncio.gather(
+            *(self._stub(r).CloseWeightSync(g.CloseWeightSyncRequest(), timeout=30) for r in rids),
+            return_exceptions=True,
+        )
+        for r, e in zip(rids, closed, strict=True):
+            if isinstance(e, BaseException):
+                logger.warning("CloseWeightSync on %s failed: %s", r, _why(e))
 
     async def _ensure_group(self, backend: str) -> WeightGroup:
         wanted = {r for r, t in self.transports.items() if GROUP_BACKEND.get(t) == backend}
@@ -208,6 +248,9 @@ class WeightSync:
         if backend == "nccl" and not self.device.startswith("cuda"):
             raise RuntimeError("nccl needs the learner on a GPU")
         rids = sorted(wanted)
+        # Whatever a member may still hold open (a formation that failed after it had joined,
+        # a close whose caller was cancelled) is closed first: it would refuse to join otherwise.
+        await self._close_syncs(rids)
         statuses = await asyncio.gather(
             *(self._stub(r).GetStatus(g.GetStatusRequest(), timeout=30) for r in rids), return_exceptions=True
         )
@@ -218,8 +261,9 @@ class WeightSync:
             ranks[r] = nxt
             nxt += max(1, st.weight_sync_ranks)
         port = free_port(self.host)
-        calls = [
-            asyncio.ensure_future(
+        joined = groupform.join_in_thread(self.host, port, nxt, backend, self.timeout_s)
+        calls = {
+            r: asyncio.ensure_future(
                 self._stub(r).InitWeightSync(
                     g.InitWeightSyncRequest(
                         transport=_ENUM[backend],
@@ -233,20 +277,13 @@ class WeightSync:
                 )
             )
             for r in rids
-        ]
-        try:
-            pg, store = await asyncio.to_thread(
-                ws.open_group_with_store, self.host, port, nxt, 0, backend, self.timeout_s
-            )
-        except Exception as e:
-            for c in calls:
-                c.cancel()
-            raise Unavailable(f"{backend} weight-sync group did not form: {e}") from None
-        answers = await asyncio.gather(*calls, return_exceptions=True)
-        bad = [f"{r}: {_why(a)}" for r, a in zip(rids, answers, strict=True) if isinstance(a, BaseException)]
-        if bad:
-            pg.shutdown()
-            raise Unavailable(f"generators failed to join the {backend} weight-sync group: " + "; ".join(bad))
+        }
+        spans = {
+            r: range(ranks[r], ranks[r] + max(1, st.weight_sync_ranks))
+            for r, st in zip(rids, statuses, strict=True)
+        }
+        where = (self.host, port, nxt, self.timeout_s)
+        pg, store = await groupform.form(joined, calls, spans, where, backend, _why)
         device = self.device if backend == "nccl" else "cpu"
         self.groups[backend] = WeightGroup(
             pg=pg, members=ranks, world_size=nxt, device=device, store=store, timeout_s=self.timeout_s
@@ -268,35 +305,9 @@ class WeightSync:
             if not isinstance(st, BaseException):
                 self.versions[r] = st.policy_version
 
-    # -- staging -----------------------------------------------------------------------------
-    def _shm_staging(self, buckets: list[ws.Bucket]) -> tuple[Segment, tuple[int, ...], ReadyTable]:
-        """The staging segment: the ready table at offset 0, then the buckets."""
-        offsets, end = [], ws.aligned(len(buckets) * ReadyTable.ENTRY)
-        for b in buckets:
-            offsets.append(end)
-            end = ws.aligned(end + b.nbytes)
-        if self._segment is None or self._segment.size != end:
-            if self._segment is not None:
-                self._segment.close()
-            self._segment = Segment.create(end)
-        return self._segment, tuple(offsets), ReadyTable(self._segment, 0, len(buckets))
-
-    def _ipc_staging(self, buckets: list[ws.Bucket]) -> tuple[list, list]:
-        import torch
-        from relayrl.common.cudaipc import share
-
-        sizes = [b.nbytes for b in buckets]
-        if self._ipc is None or [t.numel() for t in self._ipc[0]] != sizes:
-            bufs = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
-            self._ipc = (bufs, [shared_to_proto(share(t)) for t in bufs])
-        return self._ipc
-
     def close(self) -> None:
         """Free the staging memory (the learner is stopping)."""
-        if self._segment is not None:
-            self._segment.close()
-            self._segment = None
-        self._ipc = None
+        self.staging.close()
 
     # -- a push ------------------------------------------------------------------------------
     async def push(
@@ -305,81 +316,130 @@ class WeightSync:
         bucket_bytes: int,
         collective: Callable[[Sinks], Awaitable[tuple[int, list[int]]]],
         transport_only: bool = False,
+        exclusive: Callable[[], AbstractAsyncContextManager] = _alone,
     ) -> tuple[int, list[str]]:
-        if not self.addresses:
-            return 0, []
-        await self._refresh_versions()
-        if not transport_only and all(self.versions.get(r) == version for r in self.addresses):
-            return 0, sorted(self.addresses)  # all current: idempotent by version
-        for backend in sorted({GROUP_BACKEND[t] for t in self.transports.values() if t in GROUP_BACKEND}):
-            await self._ensure_group(backend)
-        buckets = ws.plan_buckets(self._metas(self.dtype), bucket_bytes)
+        """Push ``version`` to every registered replica; ``collective`` (the gather + send) runs
+        inside ``exclusive()``, which is entered even when there is nothing to send (it checks the
+        version). Returns the bytes sent and the replicas that loaded it."""
+        async with self.lock:  # wait: as for register
+            if not self.addresses:
+                async with exclusive():
+                    return 0, []
+            await self._refresh_versions()
+            if not transport_only and all(self.versions.get(r) == version for r in self.addresses):
+                async with exclusive():
+                    return 0, sorted(self.addresses)  # all current: idempotent by version
+            for backend in sorted({GROUP_BACKEND[t] for t in self.transports.values() if t in GROUP_BACKEND}):
+                await self._ensure_group(backend)
+            buckets = ws.plan_buckets(self._metas(self.dtype), bucket_bytes)
+            # Replicas at `version` already (one came back and the others are current): a group's
+            # members all take part in its broadcast, so the current ones drain it and keep their
+            # weights (transport_only); over SHM or IPC they are not called at all.
+            current = (
+                set() if transport_only else {r for r in self.addresses if self.versions.get(r) == version}
+            )
+            requests, sinks, abort = self._requests(version, buckets, transport_only, current)
+            with logcontext.bound(version=version):
+                meta = logcontext.current()
+
+            def call(r: str) -> asyncio.Future:
+                return asyncio.ensure_future(
+                    self._stub(r).UpdateWeights(requests[r], timeout=self.deadline_s, metadata=meta)
+                )
+
+            # Group members receive while the learner sends; shared-memory replicas load each
+            # bucket as the ready table marks it, while the learner gathers the next.
+            early = sorted(r for r in requests if self.transports[r] in (*GROUP_BACKEND, "shm"))
+            failure = None
+            async with exclusive():
+                calls = {r: call(r) for r in early}
+                try:
+                    sent, sums = await collective(sinks)
+                except Exception as e:  # cleaned up below, once training may go on
+                    failure = e
+            if failure is not None:
+                abort()  # shared-memory readers stop waiting at once
+                for c in calls.values():
+                    c.cancel()
+                for backend in list(self.groups):
+                    await self._close_group(backend, abandon=True)
+                raise failure
+            # IPC: the buffers are filled
+            calls.update({r: call(r) for r in sorted(requests) if r not in calls})
+            await self._answers(calls, version, sums, current, transport_only)
+            return sent, [r for r in sorted(calls) if r not in current]
+
+    def _requests(
+        self, version: int, buckets: list[ws.Bucket], transport_only: bool, current: set[str]
+    ) -> tuple[dict[str, g.UpdateWeightsRequest], Sinks, Callable[[], None]]:
+        """Each replica's UpdateWeights, the sinks of the collective, and what gives the push up
+        for the shared-memory readers."""
         base = g.UpdateWeightsRequest(
             version=version, plan=plan_to_proto(buckets), transport_only=transport_only
         )
         sinks = Sinks(groups=[self.groups[b] for b in sorted(self.groups)])
-        # Replicas at `version` already (one came back and the others are current): a group's
-        # members all take part in its broadcast, so the current ones drain it and keep their
-        # weights (transport_only); over SHM or IPC they are not called at all.
-        current = set() if transport_only else {r for r in self.addresses if self.versions.get(r) == version}
         drain = g.UpdateWeightsRequest()
         drain.CopyFrom(base)
         drain.transport_only = True
         requests = {
             r: drain if r in current else base for r, t in self.transports.items() if t in GROUP_BACKEND
         }
-        table = None
+        abort: Callable[[], None] = lambda: None  # noqa: E731
         if any(t == "shm" for t in self.transports.values()):
-            seg, offsets, table = self._shm_staging(buckets)
+            seg, offsets, table = self.staging.shm(buckets)
             self._push_id += 1
             push_id = self._push_id
-            sinks.shm, sinks.shm_offsets = seg.view(writable=True), offsets
+            sinks.shm, sinks.shm_offsets = seg.view(), offsets
             sinks.on_ready = lambda i, checksum: table.mark(i, push_id, checksum)
+            abort = lambda: table.abort(push_id)  # noqa: E731
             req = g.UpdateWeightsRequest()
             req.CopyFrom(base)
             req.shm.segment, req.shm.offsets[:] = seg.name, offsets
             req.shm.push_id, req.shm.ready_offset = push_id, 0
             requests.update({r: req for r, t in self.transports.items() if t == "shm" and r not in current})
         if any(t == "ipc" for t in self.transports.values()):
-            bufs, shared = self._ipc_staging(buckets)
+            bufs, shared = self.staging.ipc(buckets)
             sinks.ipc = bufs
             req = g.UpdateWeightsRequest()
             req.CopyFrom(base)
             req.ipc.buffers.extend(shared)
             requests.update({r: req for r, t in self.transports.items() if t == "ipc" and r not in current})
-        with logcontext.bound(version=version):
-            meta = logcontext.current()
+        return requests, sinks, abort
 
-        def call(r: str) -> asyncio.Future:
-            return asyncio.ensure_future(
-                self._stub(r).UpdateWeights(requests[r], timeout=self.deadline_s, metadata=meta)
-            )
-
-        # Group members receive while the learner sends; shared-memory replicas load each bucket
-        # as the ready table marks it, while the learner gathers the next.
-        early = sorted(
-            r for r, t in self.transports.items() if r in requests and t in (*GROUP_BACKEND, "shm")
-        )
-        calls = {r: call(r) for r in early}
-        try:
-            sent, sums = await collective(sinks)
-        except Exception:
-            if table is not None:
-                table.abort(push_id)  # shared-memory readers stop waiting at once
-            for c in calls.values():
+    async def _answers(
+        self,
+        calls: dict[str, asyncio.Future],
+        version: int,
+        sums: list[int],
+        current: set[str],
+        transport_only: bool,
+    ) -> None:
+        """Check every replica's answer against what was sent: its version and each bucket's
+        checksum. The learner's part is over, so a replica only has its loading left: one silent
+        for ``timeout_s`` is given up and named. Failed replicas leave their group (it re-forms)."""
+        if calls:
+            await asyncio.wait(calls.values(), timeout=self.timeout_s)
+        failed: dict[str, BaseException | str] = {}
+        corrupted: dict[str, str] = {}
+        for r in sorted(calls):
+            c = calls[r]
+            if not c.done():
                 c.cancel()
-            for backend in list(self.groups):
-                await self._close_group(backend, abandon=True)
-            raise
-        calls.update({r: call(r) for r in sorted(requests) if r not in calls})  # IPC: the buffers are filled
-        rids = sorted(calls)
-        answers = await asyncio.gather(*(calls[r] for r in rids), return_exceptions=True)
-        failed, corrupted = {}, []
-        for r, a in zip(rids, answers, strict=True):
-            if isinstance(a, BaseException):
-                failed[r] = _why(a)
-            elif list(a.bucket_checksums) != sums:
-                corrupted.append(r)
+                failed[r] = (
+                    f"no answer within {self.timeout_s:g} s of the last bucket (weight_sync_timeout_seconds)"
+                )
+                if self.transports.get(r) in ("shm", "ipc"):
+                    self.staging.renew()  # it may still be reading this push's memory
+                continue
+            a = c.exception() if not c.cancelled() else asyncio.CancelledError("cancelled")
+            if a is not None:
+                failed[r] = a
+                continue
+            a = c.result()
+            if list(a.bucket_checksums) != sums:
+                corrupted[r] = "bucket checksums differ from what was sent"
+            elif not transport_only and a.version != version:
+                corrupted[r] = f"it answered version {a.version}, not {version}"
             elif not transport_only and r not in current:
                 self.versions[r] = a.version
         for r in [*failed, *corrupted]:
@@ -387,18 +447,36 @@ class WeightSync:
             if transport in GROUP_BACKEND:  # its group re-forms at the next push
                 await self._close_group(GROUP_BACKEND[transport])
         if corrupted:
-            raise DataLoss(f"weights arrived corrupted on {', '.join(corrupted)} (bucket checksums differ)")
+            raise DataLoss(
+                "weights did not arrive as sent on " + "; ".join(f"{r}: {w}" for r, w in corrupted.items())
+            )
         if failed:
+            whys = "; ".join(f"{r}: {w if isinstance(w, str) else _why(w)}" for r, w in failed.items())
             if all(
-                isinstance(a, grpc.aio.AioRpcError) and a.code() == grpc.StatusCode.FAILED_PRECONDITION
-                for a in answers
-                if isinstance(a, BaseException)
+                isinstance(w, grpc.aio.AioRpcError) and w.code() == grpc.StatusCode.FAILED_PRECONDITION
+                for w in failed.values()
             ):
-                raise FailedPrecondition(
-                    "generators refused the version: " + "; ".join(f"{r}: {w}" for r, w in failed.items())
-                )
-            raise Unavailable("weight push failed on: " + "; ".join(f"{r}: {w}" for r, w in failed.items()))
-        return sent, [r for r in rids if r not in current]
+                raise FailedPrecondition("generators refused the version: " + whys)
+            raise Unavailable("weight push failed on: " + whys)
+
+
+def _check(deadline: float | None, what: str) -> None:
+    if deadline is not None and time.monotonic() >= deadline:
+        raise DeadlineExceeded(
+            f"the caller's deadline passed before the {what} could start; nothing was done"
+        )
+
+
+async def _to_its_end(work: Awaitable[None]) -> None:
+    """Await ``work`` to its end even if the caller is cancelled meanwhile (then re-raise): a
+    membership change stopped half-way would leave groups and records disagreeing."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.shield(task)  # wait: a membership change; its RPCs have timeouts
+    except asyncio.CancelledError:
+        if not task.done():
+            await task  # wait: as above
+        raise
 
 
 def _why(e: BaseException) -> str:

@@ -25,6 +25,13 @@ class RewardConfig(StrictModel):
     RESOURCE_EXHAUSTED (retry later, or on another replica) instead of waiting without bound."""
     max_text_chars: int = Field(1 << 20, ge=1)
     """Longest completion, ground truth or prompt of one sample, in characters."""
+    respawn_failures_unready: int = Field(3, ge=1, le=1000)
+    """Failed starts in a row of a scoring worker (retried with backoff, 0.1 s doubling to 10 s)
+    after which, with no worker up, the replica reports NOT_SERVING and Score calls fail
+    UNAVAILABLE with the reason; it serves again as soon as a worker starts."""
+    respawn_give_up_seconds: float = Field(300.0, gt=0, le=86400)
+    """How long a scoring worker may keep failing to start (once past respawn_failures_unready)
+    before the process exits with status 1, for its supervisor to restart it."""
 
     @field_validator("plugins")
     @classmethod

@@ -18,6 +18,17 @@ Invariants: a worker holds at most one sample; a sample is answered exactly once
 results is the order of items. Samples and results cross the pipe as JSON (plain data both
 ways: nothing is unpickled from a request, and a worker's reply cannot run code in the server).
 
+Liveness: a worker that cannot be started again (spawn fails, it does not report ready, a plugin
+no longer imports) is retried with backoff (0.1 s doubling to 10 s), never given up in silence.
+After ``unready_after`` failed starts in a row of one slot, with no worker up, the pool is not
+ready: queued samples and new calls fail UNAVAILABLE with the reason (the server's health says
+NOT_SERVING), until a worker starts. A slot that keeps failing for ``give_up_seconds`` ends
+``died()``: the server exits with status 1 for its supervisor to restart it. What a sample does to
+its worker (a timeout, a crash while scoring) is that sample's result, never a failed start: a
+request cannot take the replica out. A sample that never reached a scorer (its worker died idle,
+twice) fails its call UNAVAILABLE, and a pool fault fails it too: only a scorer's own outcome is
+ever a per-sample ERROR or TIMEOUT, whose reward is 0 and is never a score.
+
 Workers are fresh interpreters (multiprocessing ``spawn``: no state forked from the server's
 threads and event loop). Each imports the scorers, math-verify and the plugins
 (``module:function``) before it reports ready with the data sources it serves, so no sample pays
@@ -37,12 +48,13 @@ import logging
 import multiprocessing
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from relayrl.common.rpc import Unavailable
+from relayrl.common.rpc import Unavailable, bounded
 from relayrl.reward import metrics
+from relayrl.reward.scorers import check_result
 from relayrl.reward.worker import ERROR, OK, TIMEOUT, PluginError, ScorerInfo, worker_main
 
 __all__ = ["ERROR", "OK", "TIMEOUT", "PluginError", "SampleResult", "ScoreItem", "ScorerInfo", "ScoringPool"]
@@ -79,6 +91,17 @@ class _Job:
     payload: bytes
     timeout: float
     future: asyncio.Future
+    tries: int = 0
+    """Workers that died before taking it."""
+
+
+@dataclass
+class _Streak:
+    """A slot's failed worker starts in a row."""
+
+    failures: int
+    since: float
+    last: str
 
 
 @dataclass
@@ -102,12 +125,30 @@ async def _readable(conn, timeout: float | None) -> None:
 class ScoringPool:
     """K worker processes scoring samples with a per-sample timeout (see the module docstring)."""
 
-    def __init__(self, workers: int, plugins: Sequence[str] = (), start_timeout: float = 60.0):
+    def __init__(
+        self,
+        workers: int,
+        plugins: Sequence[str] = (),
+        start_timeout: float = 60.0,
+        *,
+        unready_after: int = 3,
+        give_up_seconds: float = 300.0,
+        respawn_delays: tuple[float, float] = (0.1, 10.0),
+        on_ready: Callable[[bool], object] | None = None,
+    ):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.num_workers = workers
         self.plugins = list(plugins)
         self.start_timeout = start_timeout
+        self.unready_after = unready_after
+        self.give_up_seconds = give_up_seconds
+        self.respawn_delays = respawn_delays
+        self.on_ready = on_ready
+        """Called with False when the pool stops being able to score, True when it can again."""
+        self.unready_reason: str | None = None
+        self._streaks: dict[int, _Streak] = {}
+        self._fatal: asyncio.Future[str] | None = None
         self.scorers: list[ScorerInfo] = []
         self.restarts = 0
         self._sources: set[str] = set()
@@ -141,6 +182,7 @@ class ScoringPool:
         if failed:
             await self.close()
             raise failed[0]
+        self._fatal = asyncio.get_running_loop().create_future()
         self._drivers = [
             asyncio.create_task(self._drive(i), name=f"reward-worker-{i}") for i in range(self.num_workers)
         ]
@@ -150,11 +192,21 @@ class ScoringPool:
             "%d scoring workers up; data sources: %s", self.num_workers, ", ".join(sorted(self._sources))
         )
 
+    async def died(self) -> str:
+        """Return, with the reason, once a worker slot has failed to start a worker for
+        ``give_up_seconds`` (after ``start()``): the process must exit to be restarted
+        (``serve_forever(fatal=...)``)."""
+        assert self._fatal is not None, "start() first"
+        # wait: the server's lifetime: set only when a slot could not start a worker for
+        # give_up_seconds (``serve_forever`` races it against SIGTERM)
+        return await asyncio.shield(self._fatal)
+
     async def close(self) -> None:
         """Stop the drivers and the workers; pending samples fail with UNAVAILABLE."""
         self._closed = True
         for task in self._drivers:
             task.cancel()
+        # wait: cancelled just above: a driver ends at its current await (a join: at most 5 s)
         await asyncio.gather(*self._drivers, return_exceptions=True)
         while not self._queue.empty():
             job = self._queue.get_nowait()
@@ -216,22 +268,83 @@ class ScoringPool:
         if w.conn is not None:
             w.conn.close()
 
-    async def _replace(self, i: int, reason: str) -> _Worker:
+    async def _replace(self, i: int, reason: str) -> None:
+        """Reap worker ``i`` and start another, retrying with backoff until one starts."""
         self.restarts += 1
         metrics.WORKER_RESTARTS.labels(reason).inc()
         old = self._workers[i]
         self._workers[i] = None
+        self._update_health()
         if old is not None:
             await self._reap(old)
-        delay = 0.1
-        while True:  # a fork that fails now (e.g. out of memory) may work in a moment
+        first, most = self.respawn_delays
+        delay = first
+        # wait: until a worker starts (a fork that fails now, e.g. out of memory, may work in a
+        # moment); a slot failing for give_up_seconds ends the process (``_update_health``)
+        while True:
             try:
                 self._workers[i] = await self._spawn()
-                return self._workers[i]
-            except Exception:
-                logger.exception("cannot replace scoring worker %d; retrying in %.1fs", i, delay)
+            except Exception as e:
+                self._start_failed(i, e, delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
+                delay = min(delay * 2, most)
+                continue
+            self._streaks.pop(i, None)
+            self._update_health()
+            return
+
+    # -- liveness (see the module docstring)
+
+    def _start_failed(self, i: int, e: Exception, retry_in: float) -> None:
+        s = self._streaks.setdefault(i, _Streak(0, time.monotonic(), ""))
+        s.failures += 1
+        s.last = bounded(f"{type(e).__name__}: {e}", 300)
+        logger.error(
+            "scoring worker %d failed to start (%d in a row): %s; retrying in %.1fs",
+            i,
+            s.failures,
+            s.last,
+            retry_in,
+        )
+        self._update_health()
+
+    def _update_health(self) -> None:
+        """Readiness from the slots' streaks; fail what waits when it goes; give up past the limit."""
+        now = time.monotonic()
+        stuck = [(i, s) for i, s in sorted(self._streaks.items()) if s.failures >= self.unready_after]
+        reason = None
+        if stuck and self.live_workers == 0:
+            i, s = stuck[0]
+            reason = (
+                f"reward replica cannot score: no scoring worker is up and worker {i} failed to start "
+                f"{s.failures} times in a row over {now - s.since:.0f}s (last: {s.last})"
+            )
+        was, self.unready_reason = self.unready_reason, reason
+        if (was is None) != (reason is None):
+            if reason:
+                logger.error("%s", reason)
+                self._fail_queued(reason)
+            else:
+                logger.info("a scoring worker is up again: serving")
+            if self.on_ready is not None:
+                self.on_ready(reason is None)
+        for i, s in stuck:
+            if now - s.since >= self.give_up_seconds and self._fatal is not None and not self._fatal.done():
+                self._fatal.set_result(
+                    f"reward: scoring worker {i} could not be started for {now - s.since:.0f}s "
+                    f"({s.failures} tries; last: {s.last})"
+                )
+
+    def _fail_queued(self, reason: str) -> None:
+        while not self._queue.empty():
+            job = self._queue.get_nowait()
+            if not job.future.done():
+                job.future.set_exception(Unavailable(reason))
+        metrics.QUEUED.set(0)
+
+    def _alive(self, i: int) -> bool:
+        w = self._workers[i]
+        return w is not None and w.process.is_alive()
 
     # -- scoring
 
@@ -239,6 +352,8 @@ class ScoringPool:
         """One result per item, in order. Unknown data sources are ``error`` without a worker."""
         if not self._started or self._closed:
             raise Unavailable("reward workers not running")
+        if self.unready_reason is not None:
+            raise Unavailable(self.unready_reason)
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future] = []
         for item in items:
@@ -256,14 +371,20 @@ class ScoringPool:
             futures.append(future)
         metrics.QUEUED.set(self._queue.qsize())
         try:
+            # wait: every sample is answered: by a driver within its timeout (max_pending_items
+            # caps the queue ahead), or failed when the pool goes unready or closes
             return list(await asyncio.gather(*futures))
         finally:  # a cancelled call leaves no work behind: drivers skip done futures
             for f in futures:
                 f.cancel()
 
     async def _drive(self, i: int) -> None:
-        """Feed worker ``i`` one job at a time, forever; replace it after a timeout or its death."""
+        """Feed worker ``i`` one job at a time, forever; replace it after a timeout or its death.
+        A slot takes a job only with a live worker, so no job waits on a worker being started."""
         while True:
+            if not self._alive(i):
+                await self._replace(i, "died")
+            # wait: an idle slot waits for work as long as the pool lives; close() cancels it
             job = await self._queue.get()
             metrics.QUEUED.set(self._queue.qsize())
             if job.future.done():  # its caller went away
@@ -271,33 +392,49 @@ class ScoringPool:
             metrics.BUSY.inc()
             try:
                 result, replace = await self._run(i, job)
+            except asyncio.CancelledError:  # close(): the sample in hand fails as the queued ones do
+                if not job.future.done():
+                    job.future.set_exception(Unavailable("reward service shutting down"))
+                raise
             except Exception as e:  # a bug here must not take the slot down with it
                 logger.exception("scoring worker %d failed", i)
-                result, replace = (
-                    SampleResult(ERROR, error=f"internal error: {type(e).__name__}: {e}"),
-                    "internal",
-                )
+                result, replace = e, "internal"
             finally:
                 metrics.BUSY.dec()
-            if not job.future.done():
-                job.future.set_result(result)  # answer first: the caller does not wait for a respawn
+            if result is None:
+                self._retry(job)
+            elif not job.future.done():  # answer first: the caller does not wait for a respawn
+                if isinstance(result, Exception):  # the pool's fault: no sample result, the call fails
+                    job.future.set_exception(result)
+                else:
+                    job.future.set_result(result)
             if replace:
                 await self._replace(i, replace)
 
-    async def _run(self, i: int, job: _Job) -> tuple[SampleResult, str | None]:
-        """Score ``job`` on worker ``i``; also says why the worker must be replaced, if it must."""
+    def _retry(self, job: _Job) -> None:
+        """A job whose worker died before taking it goes back to the queue, once."""
+        job.tries += 1
+        if job.future.done():
+            return
+        if job.tries >= 2:
+            job.future.set_exception(
+                Unavailable("scoring workers died twice before taking the sample; they are being restarted")
+            )
+        else:
+            self._queue.put_nowait(job)
+
+    async def _run(self, i: int, job: _Job) -> tuple[SampleResult | None, str | None]:
+        """Score ``job`` on worker ``i``: its result (None when it never reached the worker) and
+        why the worker must be replaced, if it must."""
         w = self._workers[i]
-        if w is None or not w.process.is_alive():
-            w = await self._replace(i, "died")
         try:
             w.conn.send_bytes(job.payload)
-        except OSError:  # died while idle: the sample never ran, give it a fresh worker
-            w = await self._replace(i, "died")
-            w.conn.send_bytes(job.payload)
+        except OSError:  # died while idle: the sample never ran
+            return None, "died"
         t0 = time.monotonic()
         try:
             await _readable(w.conn, job.timeout)
-            status, reward, components, error = json.loads(w.conn.recv_bytes())
+            raw = w.conn.recv_bytes()
         except TimeoutError:
             w.process.kill()  # free its CPU now; the replacement reaps it
             message = f"scorer ran past {job.timeout:g}s; its worker was replaced"
@@ -306,4 +443,20 @@ class ScoringPool:
             await asyncio.to_thread(w.process.join, 1.0)
             message = f"scoring process died (exit code {w.process.exitcode})"
             return SampleResult(ERROR, error=message, seconds=time.monotonic() - t0), "died"
-        return SampleResult(status, reward, components, error, time.monotonic() - t0), None
+        return _reply(raw, time.monotonic() - t0)
+
+
+def _reply(raw: bytes, seconds: float) -> tuple[SampleResult, str | None]:
+    """A worker's answer, checked: only a well-formed OK with a finite reward is a score; anything
+    else from the pipe is an ERROR (and a worker that wrote garbage is replaced)."""
+    try:
+        status, reward, components, error = json.loads(raw)
+        if status == OK:
+            r = check_result({"reward": reward, "components": components})
+            return SampleResult(OK, r.reward, r.components, "", seconds), None
+        if status == ERROR and isinstance(error, str):
+            return SampleResult(ERROR, error=error, seconds=seconds), None
+        raise ValueError(f"status {status!r}")
+    except (ValueError, TypeError, RecursionError) as e:
+        message = f"scoring worker sent a malformed reply ({bounded(str(e), 200)}); it was replaced"
+        return SampleResult(ERROR, error=message, seconds=seconds), "garbage"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from relayrl.common.grpc_server import (
@@ -23,16 +24,29 @@ SERVICE = DESCRIPTOR.full_name
 
 
 def build(pool: ScoringPool, config: RewardConfig) -> ServerHandle:
-    """The server around ``pool`` (bound, not started); shutting it down closes the pool."""
+    """The server around ``pool`` (bound, not started); shutting it down closes the pool, and
+    readiness follows whether the pool can score (``ScoringPool.on_ready``)."""
     servicer = RewardServicer(pool, config)
     handle = create_server(servicer, DESCRIPTOR, config.serve)
     handle.on_shutdown.append(pool.close)
+    pool.on_ready = lambda ready: asyncio.ensure_future(handle.set_ready(ready))
     return handle
 
 
+def make_pool(config: RewardConfig) -> ScoringPool:
+    return ScoringPool(
+        config.workers,
+        config.plugins,
+        unready_after=config.respawn_failures_unready,
+        give_up_seconds=config.respawn_give_up_seconds,
+    )
+
+
 async def run(config: RewardConfig, port_file: str | None = None) -> None:
-    """Start the workers, serve until SIGTERM, drain, stop the workers."""
-    pool = ScoringPool(config.workers, config.plugins)
+    """Start the workers, serve until SIGTERM, drain, stop the workers. Exits with status 1
+    (``SystemExit`` with the reason) when scoring workers can no longer be started, so that a
+    supervisor restarts the replica instead of keeping one that cannot score."""
+    pool = make_pool(config)
     handle = build(pool, config)  # bind first: a port clash fails before the workers start
     await start(handle, ready=False)  # live at once, ready once the workers are up
     try:
@@ -49,4 +63,8 @@ async def run(config: RewardConfig, port_file: str | None = None) -> None:
         handle.port,
         metrics_port,
     )
-    await announce_and_serve(handle, "reward", config.serve.host, config.serve.grace_seconds, port_file)
+    died = await announce_and_serve(
+        handle, "reward", config.serve.host, config.serve.grace_seconds, port_file, fatal=pool.died()
+    )
+    if died:
+        raise SystemExit(f"{died}: exiting with status 1 to be restarted")

@@ -1,6 +1,7 @@
 """RewardService RPCs: proto -> ScoreItem, the scoring pool, results -> proto. Nothing else.
 
-A bad request (no items, an item without data_source, extra_info_json that is not a JSON object,
+A replica that cannot score (no scoring worker can be started) fails a call UNAVAILABLE with the
+reason, never with per-sample errors. A bad request (no items, an item without data_source, extra_info_json that is not a JSON object,
 a timeout out of range, fields from a newer contract) is INVALID_ARGUMENT for the whole call. What
 goes wrong with one sample (unknown data source, a scorer that raises, hangs or returns garbage)
 is that sample's status, and the rest of the batch is scored.
@@ -53,8 +54,11 @@ def item_from_proto(index: int, x: reward_pb2.RewardInput, max_chars: int) -> Sc
 
 
 def result_to_proto(sample_id: str, r: SampleResult) -> reward_pb2.RewardResult:
+    """Only an OK result carries a reward and components: an ERROR or TIMEOUT is never a score."""
+    if r.status != OK:
+        return reward_pb2.RewardResult(sample_id=sample_id, status=_STATUS[r.status], error=r.error)
     return reward_pb2.RewardResult(
-        sample_id=sample_id, reward=r.reward, components=r.components, status=_STATUS[r.status], error=r.error
+        sample_id=sample_id, reward=r.reward, components=r.components, status=_STATUS[OK]
     )
 
 

@@ -35,17 +35,13 @@ reward: {{workers: 1}}
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    """A warm-started tiny model and the reverse data, built once by ``prepare``."""
-    pytest.importorskip("vllm")
-    pytest.importorskip("deepspeed")
-    from relayrl.coordinator.assets import prepare
-    from relayrl.coordinator.config import load_experiment
-
+def workspace(tmp_path_factory, reverse_assets):
+    """A warm-started tiny model and the reverse data (built once per session)."""
     root = tmp_path_factory.mktemp("e2e")
     exp = root / "exp.yaml"
-    exp.write_text(textwrap.dedent(EXPERIMENT.format(model=root / "model", data=root / "data")))
-    prepare(load_experiment(exp))
+    exp.write_text(
+        textwrap.dedent(EXPERIMENT.format(model=reverse_assets / "model", data=reverse_assets / "data"))
+    )
     return root, exp
 
 
@@ -178,7 +174,7 @@ def test_ppo_with_critic_and_reference_services_learns_then_resumes(workspace):
 
 def _programmatic(root: Path, exp: Path, overrides: list[str], on_record):
     """Run the coordinator in this process against embedded services the test can kill."""
-    from relayrl.coordinator.config import load_experiment
+    from relayrl.coordinator.derive import load_experiment
     from relayrl.coordinator.drive import drive
     from relayrl.coordinator.local_services import LocalServices
     from relayrl.coordinator.runfolder import new_run_dir
@@ -215,6 +211,7 @@ def test_a_killed_generator_replica_loses_no_prompt(workspace):
             "schedule.steps=6",
             "schedule.eval_every=0",
             "services.generator_replicas=2",
+            "services.restarts=0",  # it stays dead: the run goes on with one
             "learner.world_size=1",
             "name=fault-gen",
         ],
@@ -262,6 +259,7 @@ def test_a_generator_killed_while_the_learner_trains_costs_one_push_not_the_othe
             "schedule.eval_every=0",
             "schedule.max_staleness=0",  # nothing generates while the learner trains
             "services.generator_replicas=2",
+            "services.restarts=0",  # it stays dead: the run goes on with one
             "learner.world_size=1",
             "learner.weight_sync_transport=gloo",
             "name=killed-in-training",
@@ -296,13 +294,14 @@ def test_a_generator_killed_and_started_again_rejoins_at_the_learners_weights(
     workspace, caplog, replicas, transport
 ):
     """What a container restart does (a crash, an OOM kill, `docker compose restart`): a
-    generator dies mid-generation and a new process serves at the same address a little later.
-    The run goes on (with one replica it waits for it instead of failing), registers it again,
-    gives it the learner's current weights before it samples (the new process loaded the initial
-    ones), and loses no prompt. With two replicas in one gloo group the other one is current
-    when the returning one is pushed that version: it drains the broadcast and keeps its
-    weights (the learner's mixed push)."""
-    from relayrl.coordinator.launcher import ServiceProcess
+    generator dies mid-generation and the embedded supervisor starts a new process at the same
+    address a little later, as Kubernetes or compose would. The run goes on (with one replica it
+    waits for it instead of failing), registers it again, gives it the learner's current
+    weights before it samples (the new process loaded the initial ones), and loses no prompt.
+    With two replicas in one gloo group the other one is current when the returning one is
+    pushed that version: it drains the broadcast and keeps its weights (the learner's mixed
+    push); a survivor whose load the dead peer broke comes back too."""
+    import time
 
     root, exp = workspace
     victim = f"gen-{replicas - 1}"
@@ -310,22 +309,18 @@ def test_a_generator_killed_and_started_again_rejoins_at_the_learners_weights(
 
     def on_record(services):
         def f(rec):
-            if rec.get("step") == 2 and "reward_mean" in rec and "restarted" not in box:
+            if rec.get("step") == 2 and "reward_mean" in rec and "killed" not in box:
                 old = next(p for p in services.procs if p.name == victim)
                 old.kill()  # the next batch is generating (max_staleness 1): its call fails
-                old.proc.wait(30)
-                port = services.generators[victim].rsplit(":", 1)[1]
-                args = ["generator", "--config", str(box["run_dir"] / "services" / f"{victim}.yaml")]
-                box["restarted"] = ServiceProcess(
-                    f"{victim}-restarted",
-                    [*args, "--port", port, "--replica-id", victim],
-                    box["run_dir"] / "logs",
-                )
-                box["version_at_kill"] = rec["policy_version"]
+                box["killed"], box["version_at_kill"] = old, rec["policy_version"]
                 if replicas > 1:
                     # The run does not wait for it (the other replica samples): let it come up
                     # before the last steps, so it returns while the other one is current.
-                    box["restarted"].wait_ready(180)
+                    deadline = time.monotonic() + 180
+                    while time.monotonic() < deadline and not any(
+                        p.name == victim and p is not old and p.address for p in list(services.procs)
+                    ):
+                        time.sleep(0.5)
 
         return f
 
@@ -343,17 +338,14 @@ def test_a_generator_killed_and_started_again_rejoins_at_the_learners_weights(
         ],
         on_record,
     )
-    box["run_dir"] = run_dir
     caplog.set_level("INFO", logger="relayrl.coordinator.rotation")
     try:
         exp_done = go()
         statuses = {name: asyncio.run(_generator_status(a)) for name, a in services.generators.items()}
     finally:
         services.stop()
-        if "restarted" in box:
-            box["restarted"].stop()
     steps = [r for r in exp_done.records if "reward_mean" in r]
-    assert "restarted" in box and len(steps) == 8
+    assert services.restarted == {victim: 1} and len(steps) == 8
     assert all(r["groups"] == 16 for r in steps)  # every prompt of every step scored exactly once
     # Out of rotation for a while (seen with one replica: step 3 recorded 0 healthy, 0 synced),
     # then back in, and the last push reached every replica.
@@ -437,8 +429,12 @@ def test_a_learner_crash_stops_the_run_and_its_resume_continues_identically(work
     assert steps[4]["policy_version"] > steps[3]["policy_version"]
 
 
-def _long_run(root: Path, exp: Path, name: str, logname: str):
-    """``relayrl run`` of a 200-step variant in the background, logging to ``root/logname``."""
+def _long_run(root: Path, exp: Path, name: str, logname: str, sigint_ignored: bool = False):
+    """``relayrl run`` of a 200-step variant in the background, logging to ``root/logname``.
+    ``sigint_ignored``: started as a non-interactive shell starts a background job (SIGINT
+    ignored, inherited), where asyncio installs no Ctrl-C handler of its own."""
+    import signal
+
     log = open(root / logname, "w")
     args = ["--set", f"name={name}", "--set", "schedule.steps=200", "--set", "schedule.eval_every=0"]
     proc = subprocess.Popen(
@@ -446,6 +442,7 @@ def _long_run(root: Path, exp: Path, name: str, logname: str):
         cwd=root,
         stdout=log,
         stderr=subprocess.STDOUT,
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None,
     )
     return log, proc
 
@@ -481,8 +478,13 @@ def test_status_and_stop_talk_to_the_running_coordinator(workspace):
     assert missing.returncode != 0  # the coordinator left with its run: no address any more
 
 
-def test_sigterm_ends_the_run_and_its_services(workspace):
-    """``kill`` (a scheduler, systemd) on ``relayrl run``: the services it started stop with it."""
+def test_ctrl_c_ends_the_step_checkpoints_and_stops_the_services(workspace):
+    """Ctrl-C on ``relayrl run`` from a parent that started it with SIGINT ignored, as a
+    non-interactive shell does (asyncio then installs no handler of its own: Ctrl-C did
+    nothing): the run ends the step it is in, writes a checkpoint of it, stops the services it
+    started and exits 0, in bounded time; nothing trained is lost (the checkpoint is the last
+    recorded step). SIGTERM does the same: the chaos suite ends on it (tests/chaos)."""
+    sig = "SIGINT"
     import os
     import signal
     import time
@@ -490,24 +492,34 @@ def test_sigterm_ends_the_run_and_its_services(workspace):
     import psutil
 
     root, exp = workspace
-    log, proc = _long_run(root, exp, "terminated", "term-run.log")
+    name = f"signalled-{sig.lower()}"
+    log, proc = _long_run(root, exp, name, f"{name}.log", sigint_ignored=True)
     try:
         deadline = time.monotonic() + 300
         children: list[psutil.Process] = []
         while time.monotonic() < deadline:
-            assert proc.poll() is None, (root / "term-run.log").read_text()[-3000:]
-            runs = list((root / "runs").glob("terminated-*/metrics.jsonl"))
+            assert proc.poll() is None, (root / f"{name}.log").read_text()[-3000:]
+            runs = list((root / "runs").glob(f"{name}-*/metrics.jsonl"))
             if runs and runs[0].read_text().strip():  # a step went through every service
                 children = psutil.Process(proc.pid).children(recursive=True)
                 break
             time.sleep(1)
         assert len(children) >= 3, "learner, generator and reward should be running"
-        os.kill(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+        t0 = time.monotonic()
+        os.kill(proc.pid, getattr(signal, sig))
+        assert proc.wait(timeout=120) == 0, (root / f"{name}.log").read_text()[-3000:]
+        took = time.monotonic() - t0
     finally:
         if proc.poll() is None:
             proc.kill()
         log.close()
-    assert "terminated (SIGTERM); services stopped" in (root / "term-run.log").read_text()
+    text = (root / f"{name}.log").read_text()
+    assert "stopping at the end of this step with a checkpoint" in text
+    run_dir = runs[0].parent
+    steps = [json.loads(line)["step"] for line in runs[0].read_text().splitlines()]
+    saved = json.loads((run_dir / "checkpoints" / "coordinator.json").read_text())
+    assert saved["tag"] == f"step{steps[-1]}" and saved["step"] == steps[-1] == len(steps), (saved, steps)
+    assert f"stopped at step {steps[-1]} with a checkpoint; continue with: relayrl run --resume" in text
+    assert took < 120
     _gone, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, [p.cmdline()[:6] for p in alive]

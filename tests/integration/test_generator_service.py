@@ -688,6 +688,50 @@ def test_a_push_abandoned_half_way_frees_the_replica_at_once_and_a_new_group_res
     server_learner["l"] = learner
 
 
+def test_a_push_given_up_before_its_first_bucket_leaves_the_replica_serving_its_weights(server, hf):
+    """Nothing reached vLLM: its layerwise reload puts every layer's tensors back, so the replica
+    stays ready at its version and samples exactly as before (it used to stop serving until the
+    next complete load). Also over shared memory: a segment that is not one is refused before
+    anything loads, and the replica keeps serving."""
+    from relayrl.common import groupwait
+    from relayrl.common.shm import ROOT
+
+    stub, _, _ = server
+    tok, model = hf  # holds the weights the replica serves (the previous test's last push)
+    learner = server_learner["l"]
+    v = _version(stub)
+    new = _perturbed(model, seed=14)
+    metas = [ws.TensorMeta(n, ws.dtype_name(t.dtype), tuple(t.shape)) for n, t in new.items()]
+    plan = plan_to_proto(ws.plan_buckets(metas, 256 << 10))
+    fut = learner.pool.submit(
+        stub.UpdateWeights, g.UpdateWeightsRequest(version=v + 1, plan=plan), timeout=120
+    )
+    groupwait.abandon(learner.store)
+    with pytest.raises(grpc.RpcError) as e:
+        fut.result(timeout=60)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "weights unchanged" in e.value.details()
+    st = stub.GetStatus(g.GetStatusRequest(), timeout=5)
+    assert st.ready and st.policy_version == v
+    for s in _greedy(stub, 16).values():
+        assert list(s.completion_token_ids) == _hf_greedy(model, list(s.prompt_token_ids), 16)
+        assert s.policy_version == v
+    stub.CloseWeightSync(g.CloseWeightSyncRequest(), timeout=60)
+    learner.pg = None
+    link = ROOT / f"relayrl-t-{os.getpid()}-passwd"
+    link.unlink(missing_ok=True)
+    link.symlink_to("/etc/passwd")
+    try:
+        with pytest.raises(grpc.RpcError) as e:  # the probe itself: not a segment
+            stub.InitWeightSync(
+                g.InitWeightSyncRequest(transport=g.WEIGHT_TRANSPORT_SHM, shm_probe=link.name), timeout=60
+            )
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "root:" not in e.value.details()
+    finally:
+        link.unlink()
+    assert stub.GetStatus(g.GetStatusRequest(), timeout=5).ready
+    server_learner["l"] = Learner(stub)
+
+
 def test_sigterm_drains_and_exits(server):
     """SIGTERM to the process group (the embedded launcher, Ctrl-C in a terminal) reaches vLLM's
     EngineCore too. With a weight-sync group still open, leaving it asked the dead core and never

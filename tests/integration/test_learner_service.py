@@ -148,9 +148,8 @@ def test_bad_batches_are_refused_and_take_no_step(stack):
         "samples[2]: loss_mask values must be in [0, 1]": [one(), one(), one(loss_mask=[-1.0, 1.0])],
         "samples[0]: loss_mask values must be in [0, 1] ": [one(loss_mask=[1e30, 1.0])],
         "samples[0]: advantage is 1e+30; |advantage| must be <= 1e+06": [one(advantage=1e30)],
-        "samples[0]: generator_logprobs must be finite log-probabilities": [
-            one(generator_logprobs=[-1.0, 0.5])
-        ],
+        "samples[0]: generator_logprobs[1] is 0.5": [one(generator_logprobs=[-1.0, 0.5])],
+        "samples[0]: generator_logprobs[0] is -1e+30": [one(generator_logprobs=[-1e30, -1.0])],
     }
     for needle, samples in cases.items():
         with pytest.raises(grpc.RpcError) as e:
@@ -269,6 +268,8 @@ def test_checkpoint_paths_and_tags_stay_inside_and_refusals_change_nothing(stack
         stub.SaveCheckpoint, lp.SaveCheckpointRequest(path="a-file/x", tag="t")
     )
     assert "is not a folder" in refused(stub.ExportModel, lp.ExportModelRequest(path="a-file/x"))
+    bad_state = lp.SaveCheckpointRequest(tag="t", client_state_json="{not json")
+    assert "client_state_json is not JSON" in refused(stub.SaveCheckpoint, bad_state)
     # Nothing to load: NOT_FOUND, as the contract says, whatever is missing.
     (tmp / "empty" / "t0").mkdir(parents=True)
     (tmp / "badlatest").mkdir()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.long
+pytestmark = [pytest.mark.long, pytest.mark.timeout(3600)]  # ~15 min alone on 2 cores
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
 import pytest
 from relayrl.common.config import ConfigError, apply_overrides, dump_yaml, read_yaml
-from relayrl.coordinator.config import ExperimentConfig, load_experiment
+from relayrl.coordinator.config import ExperimentConfig
+from relayrl.coordinator.derive import load_experiment
 
 MINIMAL = """
 name: demo
@@ -252,3 +254,54 @@ def test_services_threads_reach_every_local_process(tmp_path, monkeypatch, threa
     services._start("gen-0", "generator", exp.generator, [])
     services._start("learner", "learner", exp.learner, [], devices="0")
     assert started == [want, {"CUDA_VISIBLE_DEVICES": "0", **want}]
+
+
+def test_nesting_is_bounded_without_a_recursion_error(tmp_path):
+    # PyYAML recurses once per level: 10^5 nested lists were a RecursionError (INTERNAL upstream).
+    deep = "[" * 100_000 + "]" * 100_000
+    with pytest.raises(ConfigError, match="nested deeper than 64 levels"):
+        read_yaml(write(tmp_path, f"a: {deep}\n"))
+    with pytest.raises(ConfigError, match="nested deeper than 64 levels"):
+        read_yaml(write(tmp_path, "a: " + "[" * 100 + "]" * 100 + "\n"))  # parses, but too deep
+    with pytest.raises(ConfigError, match="nested deeper than 64 levels"):
+        load_experiment(write(tmp_path, MINIMAL), ["seed=" + "[" * 2000 + "]" * 2000])
+    with pytest.raises(ConfigError, match="nested deeper than 64 levels"):
+        load_experiment(write(tmp_path, MINIMAL), ["seed=" + "[" * 100 + "]" * 100])
+
+
+def test_a_bad_reference_or_critic_section_is_a_config_error_naming_it(tmp_path):
+    ppo = ["algorithm.advantage=reinforce_pp", "algorithm.kl_coef=0.1"]
+    with pytest.raises(ConfigError, match=r"reference: Value error, loss.kl_coef: a reference has no KL"):
+        load_experiment(write(tmp_path, MINIMAL), [*ppo, "reference.loss.kl_coef=0.5"])
+    with pytest.raises(ConfigError, match=r"critic.loss.kl_coef|critic: Value error, loss.kl_coef"):
+        load_experiment(write(tmp_path, MINIMAL), ["algorithm.advantage=gae", "critic.loss.kl_coef=0.5"])
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("data.generate={task: reverse, n_train: 1000000000}", "data.generate.n_train: Input should be less"),
+        ("data.generate={task: reverse, n_test: 1000000000}", "data.generate.n_test: Input should be less"),
+        ("data.generate={task: reverse, params: {max_len: 1000000000}}", "max_len <= 4096"),
+        ("data.generate={task: arithmetic, params: {max_value: 1000000000000}}", "max_value must be in"),
+        ("data.generate={task: countdown, params: {max_number: 1000000000}}", "max_number <= 1000000"),
+    ],
+)
+def test_generated_data_is_bounded(tmp_path, override, needle):
+    # One request asking for 10^9 rows held a coordinator's memory and run slot until a restart.
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_experiment(write(tmp_path, MINIMAL), [override])
+
+
+def test_a_push_waits_for_a_silent_generator_less_than_the_coordinator_waits_for_the_push(tmp_path):
+    """Otherwise the coordinator's PushWeights times out first and the run's error names the
+    learner, not the generator that did not answer."""
+    from relayrl.common import config as cfg_mod
+    from relayrl.coordinator.config import ExperimentConfig
+    from relayrl.coordinator.derive import resolve_paths
+
+    raw = {"model": {"path": "m"}, "data": {"train": "t"}, "services": {"deadline_seconds": 100}}
+    derived = resolve_paths(cfg_mod.build(ExperimentConfig, raw), tmp_path)
+    assert derived.learner.weight_sync_timeout_seconds == 50  # the default, lowered
+    with pytest.raises(cfg_mod.ConfigError, match="weight_sync_timeout_seconds must be below"):
+        cfg_mod.build(ExperimentConfig, {**raw, "learner": {"weight_sync_timeout_seconds": 100}})

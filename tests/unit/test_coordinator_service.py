@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -246,3 +248,272 @@ async def test_unknown_run_ids_are_not_found_with_a_bounded_message(tmp_path):
             grpc.StatusCode.NOT_FOUND,
         )
         assert "more characters" in details
+
+
+# -- what the coordinator reads and where it sends it (issue #27) ----------------------------------
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"services.security.token_file": "../secret"}, "services.security.token_file"),
+        ({"services.security.ca": "/etc/hostname"}, "services.security.ca"),
+        ({"learner.security.token_file": "../secret"}, "learner.security.token_file"),
+        ({"generator.serve.token_file": "../secret"}, "generator.serve.token_file"),
+        ({"learner.model": "/etc"}, "learner.model"),
+        ({"learner.checkpoint_dir": "../../elsewhere"}, "learner.checkpoint_dir"),
+        ({"generator.engine.model": "../model"}, "generator.engine.model"),
+    ],
+)
+async def test_secrets_models_and_checkpoints_must_lie_in_the_root(tmp_path, change, field):
+    # The token is sent as "authorization: Bearer" to addresses the experiment names: a file
+    # outside the root would hand this host's secrets to whoever calls StartExperiment. The
+    # services of the embedded default read their sections' files on this host too.
+    (tmp_path / "secret").write_text("s3cret\n")
+    embedded = {} if field.startswith("services.") else {"services": {}}
+    async with coordinator(tmp_path / "root") as c:
+        cfg = experiment(**embedded, **change)
+        details = await refused(c.stub.StartExperiment(start_request(cfg), timeout=10))
+        assert f"{field} " in details and "outside the coordinator's root" in details
+        assert not (tmp_path / "root" / "runs").exists()
+
+
+async def test_secret_files_must_be_small_regular_files_and_a_token_one_word(tmp_path):
+    async with coordinator(tmp_path) as c:
+        (tmp_path / "dir").mkdir()
+        (tmp_path / "zero").symlink_to("/dev/zero")  # followed out of the root: refused as outside
+        (tmp_path / "big").write_text("x" * (65 << 10))
+        (tmp_path / "two").write_text("two words")
+        for path, needle in [
+            ("dir", "not a regular file"),
+            ("zero", "outside the coordinator's root"),
+            ("big", "larger than 65536 bytes"),
+            ("two", "one word"),
+            ("absent", "cannot read"),
+        ]:
+            cfg = experiment(**{"services.security.token_file": path})
+            details = await refused(c.stub.StartExperiment(start_request(cfg), timeout=10))
+            assert "services.security.token_file" in details and needle in details, details
+        await still_serving(c)
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "needle"),
+    [
+        ({"config_yaml": "a: " + "[" * 100_000 + "]" * 100_000}, "nested deeper than 64 levels"),
+        ({"overrides": ["seed=" + "[" * 2000 + "]" * 2000]}, "nested deeper than 64 levels"),
+        ({"resume_from": "r" * (1 << 20)}, "resume_from: not a usable path"),
+        ({"resume_from": "runs/a\0b"}, "resume_from: not a usable path"),
+    ],
+)
+async def test_absurd_requests_are_invalid_argument_not_internal(tmp_path, request_fields, needle):
+    async with coordinator(tmp_path) as c:
+        fields = {"config_yaml": yaml.safe_dump(experiment()), **request_fields}
+        details = await refused(c.stub.StartExperiment(cp.StartExperimentRequest(**fields), timeout=30))
+        assert needle in details
+        await still_serving(c)
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        (  # the reference section is validated as a learner of its own: the field is named
+            {"algorithm": {"advantage": "reinforce_pp", "kl_coef": 0.1}, "reference": {"loss": {"kl_coef": 0.5}},
+             "services.reference": NOWHERE},
+            "reference: Value error, loss.kl_coef",
+        ),
+        ({"data.train": "data/a\0b.jsonl"}, "a path cannot be resolved"),
+        ({"data.generate": {"task": "reverse", "n_train": 10**9}}, "data.generate.n_train"),
+        ({"data.generate": {"task": "reverse", "params": {"max_len": 10**9}}}, "max_len <= 4096"),
+    ],
+)  # fmt: skip
+async def test_config_errors_found_while_resolving_are_invalid_argument(tmp_path, change, needle):
+    async with coordinator(tmp_path) as c:
+        details = await refused(c.stub.StartExperiment(start_request(experiment(**change)), timeout=10))
+        assert needle in details
+
+
+async def test_concurrent_starts_of_one_run_id_get_one_experiment(tmp_path, monkeypatch):
+    # Every start passes the "known run_id?" check before any is registered: each waits in the
+    # config check until all have arrived there. They must all get the one experiment, counted
+    # once against max_running.
+    from relayrl.coordinator import servicer
+
+    starts = 5  # within the default thread pool of a 2-core machine (6 workers)
+    barrier = threading.Barrier(starts, timeout=20)
+
+    def admit_together(*args):
+        barrier.wait()
+        return admit(*args)
+
+    admit = servicer.admit
+    monkeypatch.setattr(servicer, "admit", admit_together)
+    async with coordinator(tmp_path, max_running=1) as c:
+        calls = [c.stub.StartExperiment(start_request(run_id="once"), timeout=30) for _ in range(starts)]
+        answers = await asyncio.gather(*calls)
+        assert {a.experiment.run_id for a in answers} == {"once"}
+        assert list(c.registry.experiments) == ["once"]
+        assert [p.name for p in (tmp_path / "runs").iterdir()] == ["once"]
+
+
+async def test_list_is_newest_first(tmp_path):
+    async with coordinator(tmp_path, max_running=3) as c:
+        for run_id in ("first", "second", "third"):
+            await c.stub.StartExperiment(start_request(run_id=run_id), timeout=10)
+        listed = (await c.stub.ListExperiments(cp.ListExperimentsRequest(), timeout=5)).experiments
+        assert [e.run_id for e in listed] == ["third", "second", "first"]
+
+
+def slow_preparation() -> dict:
+    """An experiment whose data preparation runs ~10^7 draws (a test split of a 10-problem space
+    asked for 50,000 rows) before it would fail: it stays PENDING until stopped."""
+    spec = {"task": "reverse", "n_test": 50_000, "params": {"min_len": 1, "max_len": 1}}
+    return experiment(**{"data.test": "data/test.jsonl", "data.generate": spec})
+
+
+async def test_a_stop_while_pending_ends_stopped_without_running(tmp_path):
+    async with coordinator(tmp_path) as c:
+        st = (await c.stub.StartExperiment(start_request(slow_preparation()), timeout=10)).experiment
+        assert st.state == cp.EXPERIMENT_STATE_PENDING
+        assert not st.HasField("started_at")  # set when it goes RUNNING, not before
+        stopping = (
+            await c.stub.StopExperiment(cp.StopExperimentRequest(run_id=st.run_id), timeout=5)
+        ).experiment
+        assert stopping.state == cp.EXPERIMENT_STATE_STOPPING
+        done = await finished(c, st.run_id)  # data generation noticed the stop
+        assert done.state == cp.EXPERIMENT_STATE_STOPPED, done.message
+        assert not done.HasField("started_at") and "before its first step" in done.message
+        assert not (tmp_path / "data" / "test.jsonl").exists()
+        await still_serving(c)
+
+
+async def test_started_at_is_set_when_running(tmp_path):
+    async with coordinator(tmp_path) as c, held_learner() as (learner, release):
+        held = start_request(experiment(**{"services.learner": learner}))
+        st = (await c.stub.StartExperiment(held, timeout=10)).experiment
+        for _ in range(300):
+            st = (
+                await c.stub.GetExperimentStatus(cp.GetExperimentStatusRequest(run_id=st.run_id), timeout=5)
+            ).experiment
+            if st.state != cp.EXPERIMENT_STATE_PENDING:
+                break
+            await asyncio.sleep(0.05)
+        assert st.state == cp.EXPERIMENT_STATE_RUNNING and st.HasField("started_at")
+        release.set()
+
+
+# -- accepted means usable (issue #27) --------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("name", "content", "needle"),
+    [
+        ("train.jsonl", b"not json\n", "line 1 (1-based): not valid JSON"),
+        ("train.jsonl", b'{"prompt": []}\n', "column 'data_source': missing"),
+        ("train.parquet", b"PAR1 garbage, not parquet", "not a readable parquet file"),
+        ("train.jsonl", b"\xff\xfe\n", "not UTF-8"),
+        ("train.jsonl", None, "not a regular file"),  # a FIFO: must not hold the check
+    ],
+)
+async def test_data_files_that_do_not_parse_are_refused_before_ok(tmp_path, name, content, needle):
+    async with coordinator(tmp_path) as c:
+        bad = tmp_path / "data" / f"bad-{name}"
+        if content is None:
+            os.mkfifo(bad)
+        else:
+            bad.write_bytes(content)
+        cfg = experiment(**{"data.train": f"data/{bad.name}"})
+        details = await refused(c.stub.StartExperiment(start_request(cfg), timeout=10))
+        assert "data.train" in details and needle in details, details
+        assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("record", "needle"),
+    [
+        ("garbage", "is not JSON"),
+        ('{"step": 3}', "does not name a checkpoint"),
+        ('{"tag": "../../x", "step": 3}', "does not name a checkpoint"),
+        ('{"tag": "step3", "step": -1}', "does not name a checkpoint"),
+        ("[" * 100_000, "is not JSON"),
+        (None, "not a regular file"),  # a FIFO
+    ],
+)
+async def test_a_resume_folder_must_hold_a_checkpoint_record(tmp_path, record, needle):
+    async with coordinator(tmp_path) as c:
+        folder = tmp_path / "runs" / "old"
+        (folder / "checkpoints").mkdir(parents=True)
+        path = folder / "checkpoints" / "coordinator.json"
+        if record is None:
+            os.mkfifo(path)
+        else:
+            path.write_text(record)
+        details = await refused(c.stub.StartExperiment(start_request(resume_from="runs/old"), timeout=10))
+        assert "resume_from" in details and needle in details, details
+        path.unlink()
+        path.write_text('{"tag": "step3", "step": 3, "epoch": 0, "index": 6}\n')  # as the loop writes it
+        st = (await c.stub.StartExperiment(start_request(resume_from="runs/old"), timeout=10)).experiment
+        assert st.run_id == "old"
+        await finished(c, "old")
+
+
+async def test_a_run_stopped_before_its_task_ran_never_starts_its_services(tmp_path):
+    from relayrl.common import config as cfg_mod
+    from relayrl.coordinator import registry as reg
+    from relayrl.coordinator.config import ExperimentConfig
+    from relayrl.coordinator.derive import resolve_paths
+
+    class Services:  # a ServiceSet that only counts its starts
+        started = 0
+        resume_command = "relayrl run --resume"
+
+        def __init__(self, cfg, run_dir):
+            pass
+
+        def start(self):
+            Services.started += 1
+
+        def stop(self):
+            pass
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    write_rows(generate("reverse", 8, seed=0), tmp_path / "train.jsonl")
+    raw = {"model": {"path": "model"}, "data": {"train": "train.jsonl"}, "schedule": {"steps": 2}}
+    cfg = resolve_paths(cfg_mod.build(ExperimentConfig, raw), tmp_path)
+    registry = Registry(services_factory=Services)
+    h = registry.start(cfg)
+    registry.request_stop(h.run_id)  # nothing awaited since the start: the run's task has not run yet
+    assert h.state == reg.STOPPING
+    await asyncio.wait_for(h.task, 30)
+    assert (h.state, Services.started, h.started_at) == (reg.STOPPED, 0, None)
+
+
+async def _state_soon(c, run_id: str, state, timeout: float = 15.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        req = cp.GetExperimentStatusRequest(run_id=run_id)
+        st = (await c.stub.GetExperimentStatus(req, timeout=5)).experiment
+        if st.state == state:
+            return
+        assert asyncio.get_running_loop().time() < deadline, cp.ExperimentState.Name(st.state)
+        await asyncio.sleep(0.05)
+
+
+async def test_a_stop_ends_a_run_held_by_a_hung_service_within_its_grace_and_a_second_stop_at_once(tmp_path):
+    """A service that never answers (here the learner, in the run's first call) must not turn a
+    stop into a wait for its deadline and a FAILED run: the first stop gives the run its grace
+    to reach a step boundary, then cancels it; a second stop cancels at once. Both end STOPPED."""
+    async with coordinator(tmp_path) as c, held_learner() as (learner, _release):
+        over = {"services.learner": learner, "services.deadline_seconds": 600}
+        graced = start_request(experiment(**over, **{"services.stop_grace_seconds": 0.5}))
+        run_id = (await c.stub.StartExperiment(graced, timeout=10)).experiment.run_id
+        await _state_soon(c, run_id, cp.EXPERIMENT_STATE_RUNNING)
+        await c.stub.StopExperiment(cp.StopExperimentRequest(run_id=run_id), timeout=5)
+        st = await finished(c, run_id)
+        assert st.state == cp.EXPERIMENT_STATE_STOPPED and "checkpoint" in st.message, st
+
+        patient = start_request(experiment(**over, **{"services.stop_grace_seconds": 600}))
+        run_id = (await c.stub.StartExperiment(patient, timeout=10)).experiment.run_id
+        await _state_soon(c, run_id, cp.EXPERIMENT_STATE_RUNNING)
+        await c.stub.StopExperiment(cp.StopExperimentRequest(run_id=run_id), timeout=5)
+        await asyncio.sleep(0.3)
+        await _state_soon(c, run_id, cp.EXPERIMENT_STATE_STOPPING, timeout=1)  # in its grace
+        await c.stub.StopExperiment(cp.StopExperimentRequest(run_id=run_id), timeout=5)
+        assert (await finished(c, run_id)).state == cp.EXPERIMENT_STATE_STOPPED

@@ -23,7 +23,7 @@ from relayrl.common import security
 from relayrl.common.config import ConfigError
 from relayrl.common.healthcheck import main as healthcheck_main
 from relayrl.common.serving import ClientSecurity
-from relayrl.coordinator.config import load_experiment
+from relayrl.coordinator.derive import load_experiment
 
 from tests.deploy_checks import (  # the token-env fixture applies to every test here
     COMPOSE_DIR,

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from relayrl.common import security
 from relayrl.common.serving import ClientSecurity
-from relayrl.coordinator.config import load_experiment
+from relayrl.coordinator.derive import load_experiment
 
 from tests.deploy_checks import (  # the token-env fixture applies to every test here
     FULL_NAME,

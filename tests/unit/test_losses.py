@@ -16,11 +16,13 @@ from __future__ import annotations
 import math
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
-from relayrl.learner.config import LossConfig
-from relayrl.learner.losses import LossInputs, Totals, policy_loss
+from relayrl.coordinator.token_advantages import kl_penalty
+from relayrl.learner.config import K3_BOUND, LossConfig
+from relayrl.learner.losses import LossInputs, Totals, kl_estimate, policy_loss, value_loss
 
 approx = partial(pytest.approx, rel=1e-9)
 e = math.exp
@@ -260,3 +262,56 @@ def test_per_token_advantages_weigh_each_token_and_equal_the_broadcast_sequence_
     loss, grad, _ = loss_and_grad(per_token, LossConfig())
     assert loss == approx((-0.5 * e(-0.1) + 3 * e(0.1)) / 4 / 2)
     assert grad[0] == approx([0.0, -0.5 * e(-0.1) / 8, 0.0, 3 * e(0.1) / 8])
+
+
+# -- the k3 KL's bound (the reward's, verl's) ------------------------------------------------------
+
+
+def _k3_grad(gap: float, dtype=torch.float64) -> tuple[float, float]:
+    """k3's value and d/dlogp for one token ``gap`` nats from the reference (log pi - log ref)."""
+    lp = torch.tensor([[-1.0 + gap]], dtype=dtype, requires_grad=True)
+    k = kl_estimate(lp, torch.tensor([[-1.0]], dtype=dtype), "k3")
+    k.sum().backward()
+    return k.item(), lp.grad.item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_k3_in_the_loss_is_bounded_far_below_the_reference(dtype):
+    # Unclamped, 30 nats below the reference k3's gradient is 1 - e^30 = -1.1e13 (inf in bf16).
+    value, grad = _k3_grad(-30.0, dtype)
+    assert value == K3_BOUND and math.isfinite(grad) and abs(grad) <= e(3.0)
+    # And through the whole loss: kl_coef x a bounded gradient, no NaN from e^huge.
+    inp = batch(
+        lp=[[-31.0, -1.0], [-1.0, -1.0]], beh=[[-31.0, -1.0]] * 2, ref=[[-1.0] * 2] * 2, mask=[[1, 1]] * 2
+    )
+    loss, g, metrics = loss_and_grad(inp, LossConfig(kl_coef=0.5), Totals(tokens=4, sequences=2))
+    assert math.isfinite(loss) and all(abs(x) <= 0.5 * e(3.0) for row in g for x in row)
+    assert metrics["kl"] == approx(K3_BOUND)
+
+
+def test_k3_is_unchanged_inside_the_bound_and_equals_the_rewards():
+    for gap in (-2.5, -1.0, -0.1, 0.0, 0.3, 2.0, 9.0):
+        value, grad = _k3_grad(gap)
+        assert value == approx(e(-gap) + gap - 1.0) and grad == approx(1.0 - e(-gap))
+    gaps = np.array([-40.0, -30.0, -2.5, -0.2, 0.0, 0.7, 12.0, 40.0])
+    learner = kl_estimate(t64(gaps - 1.0), t64(np.full(8, -1.0)), "k3").numpy()
+    assert learner == pytest.approx(kl_penalty(gaps - 1.0, np.full(8, -1.0), "k3"), rel=1e-12)
+
+
+# -- the critic's value loss ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_value_clip_fraction_counts_only_tokens_the_clip_moved(dtype):
+    # |v - old| = 0.3 < 0.5: the clip does not act. Yet old + (v - old) is v off by one ulp, and
+    # its squared error is the larger: a round trip would count this token as clipped.
+    v, old, ret = (torch.tensor([[x]], dtype=dtype) for x in (0.2, -0.1, 0.0))
+    assert (old + (v - old).clamp(-0.5, 0.5) - ret) ** 2 > (v - ret) ** 2  # the trap is there
+    loss, m = value_loss(v, old, ret, torch.ones(1, 1), 0.5, "token", Totals(tokens=1, sequences=1))
+    assert m["vf_clipped"] == 0.0
+    # A token the clip moved and whose clipped error wins is still counted.
+    far = torch.tensor([[0.9]], dtype=dtype)
+    _, m = value_loss(
+        far, old, torch.tensor([[2.0]], dtype=dtype), torch.ones(1, 1), 0.5, "token", Totals(1, 1)
+    )
+    assert m["vf_clipped"] == 1.0

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 from relayrl.common.config import ConfigError
-from relayrl.coordinator.config import ExperimentConfig, load_experiment
+from relayrl.coordinator.config import ExperimentConfig
+from relayrl.coordinator.derive import load_experiment
 from relayrl.coordinator.ray_plan import Slot, assign_ranks, needs, plan
 
 

@@ -307,3 +307,117 @@ def _exists(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
     except OSError:
         return False
+
+
+# -- liveness: a replica that cannot start scoring workers says so, and exits if it stays so ------
+
+
+def fail_spawns(pool: ScoringPool) -> None:
+    """From now on no scoring worker of ``pool`` can start (as when fork fails: out of memory)."""
+
+    async def cannot() -> None:
+        raise OSError("fork: Cannot allocate memory (test)")
+
+    pool._spawn = cannot
+    pool.respawn_delays = (0.01, 0.05)
+
+
+async def readiness(s) -> int:
+    return (await s.health.Check(health_pb2.HealthCheckRequest(service=SERVICE))).status
+
+
+async def test_a_replica_that_cannot_start_workers_fails_calls_unavailable_then_serves_again():
+    async with serving(workers=1) as s:
+        spawn = s.pool._spawn
+        fail_spawns(s.pool)
+        # The sample kills its worker (its own ERROR); the one queued behind it found no worker
+        # that could start: the call fails UNAVAILABLE with the reason instead of waiting forever.
+        err = await error_of(
+            s.stub.Score(r.ScoreRequest(items=[item("die", "test/die"), countdown("c")]), timeout=30)
+        )
+        assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+        assert (
+            "failed to start 3 times in a row" in err.details() and "Cannot allocate memory" in err.details()
+        )
+        await until(lambda: s.pool.unready_reason is not None)
+        assert await readiness(s) == health_pb2.HealthCheckResponse.NOT_SERVING
+        later = await error_of(s.stub.Score(r.ScoreRequest(items=[countdown("d")]), timeout=30))
+        assert later.code() == grpc.StatusCode.UNAVAILABLE and "cannot score" in later.details()
+        s.pool._spawn = spawn  # fork works again: the replica comes back by itself
+        await until(lambda: s.pool.live_workers == 1)
+        await until(lambda: s.pool.unready_reason is None)
+        assert await readiness(s) == SERVING
+        again = await s.stub.Score(r.ScoreRequest(items=[countdown("e")]), timeout=30)
+        assert again.results[0].status == r.SCORE_STATUS_OK and again.results[0].reward == 1.0
+
+
+async def test_a_replica_that_never_recovers_gives_up():
+    async with serving(workers=1, plugins=PLUGINS) as s:
+        s.pool.give_up_seconds = 0.0
+        fail_spawns(s.pool)
+        await s.stub.Score(r.ScoreRequest(items=[item("die", "test/die")]), timeout=30)
+        reason = await asyncio.wait_for(s.pool.died(), 30)
+        assert "could not be started" in reason and "Cannot allocate memory" in reason
+
+
+def test_error_results_carry_no_reward():
+    from relayrl.reward.pool import ERROR, TIMEOUT, SampleResult
+    from relayrl.reward.servicer import result_to_proto
+
+    for status in (ERROR, TIMEOUT):
+        out = result_to_proto("s", SampleResult(status, reward=0.7, components={"x": 1.0}, error="boom"))
+        assert (out.reward, dict(out.components), out.error) == (0.0, {}, "boom")
+
+
+def test_served_process_exits_1_when_its_workers_can_no_longer_start(tmp_path):
+    marker = tmp_path / "break-the-plugin"
+    args = ["reward", "--workers", "1", "--plugin", "tests.reward_fragile:length", "--plugin", PLUGINS[4],
+            "--set", "respawn_failures_unready=2", "--set", "respawn_give_up_seconds=1"]  # fmt: skip
+    with service(args, tmp_path, timeout=60, env={"RELAYRL_TEST_BREAK": str(marker)}) as (addr, proc):
+        marker.touch()  # the plugin no longer imports: a replacement worker cannot start
+        with grpc.insecure_channel(addr) as channel:
+            stub = reward_pb2_grpc.RewardServiceStub(channel)
+            resp = stub.Score(r.ScoreRequest(items=[item("die", "test/die")]), timeout=30)
+            assert resp.results[0].status == r.SCORE_STATUS_ERROR
+        assert proc.proc.wait(timeout=60) == 1  # given up: exit 1, for the supervisor to restart it
+        log = proc.tail()
+        assert "could not be started" in log and "broken on purpose" in log, log
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b'["ok", NaN, {}, ""]', b'["ok", "1.0", {}, ""]', b'["ok", 1.0, {"x": Infinity}, ""]', b"[1, 2]", b"{"],
+)
+def test_a_workers_reply_is_a_score_only_when_well_formed(raw):
+    """What comes back over the pipe is checked again in the server: a worker whose scorer wrote to
+    the pipe itself, or died mid-reply, cannot make garbage a score."""
+    from relayrl.reward.pool import ERROR, OK, SampleResult, _reply
+
+    result, replace = _reply(raw, 0.1)
+    assert (result.status, result.reward, replace) == (ERROR, 0.0, "garbage") and "malformed" in result.error
+    assert _reply(b'["ok", 2.0, {"format": 1}, ""]', 0.1) == (
+        SampleResult(OK, 2.0, {"format": 1.0}, "", 0.1),
+        None,
+    )
+
+
+async def test_closing_the_pool_fails_the_sample_being_scored_instead_of_leaving_its_caller_waiting():
+    from relayrl.common.rpc import Unavailable
+    from relayrl.reward.pool import ScoreItem
+
+    def busy() -> float:
+        return REGISTRY.get_sample_value("relayrl_reward_workers_busy") or 0.0
+
+    pool = ScoringPool(1, PLUGINS)
+    await pool.start()
+    try:
+        before = busy()
+        call = asyncio.ensure_future(pool.score([ScoreItem("test/hang", "x")], timeout=60.0))
+        await until(lambda: busy() > before)  # its worker has it: being scored, no longer queued
+        await pool.close()
+        # Before, close() cancelled the slot's driver with the sample in hand and nothing ever
+        # answered it: the caller waited forever (asyncio.wait_for here timed out).
+        with pytest.raises(Unavailable, match="shutting down"):
+            await asyncio.wait_for(call, 10)
+    finally:
+        await pool.close()

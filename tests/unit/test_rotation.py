@@ -292,3 +292,76 @@ async def test_a_generator_waiting_for_weights_is_readmitted_though_not_serving(
     finally:
         await pool.close()
         await srv.stop()
+
+
+async def test_a_readmission_lets_the_calls_on_the_old_channel_finish():
+    """Evaluation and training share a pool: a call still running on a replica's old channel
+    when the replica is readmitted must end with its answer, not be cancelled (a cancelled call
+    reads as a cancelled caller)."""
+    from relayrl.generator.v1 import generator_pb2, generator_pb2_grpc
+
+    release = asyncio.Event()
+
+    class Slow(generator_pb2_grpc.GeneratorServiceServicer):
+        async def GetStatus(self, request, context):
+            await release.wait()
+            return generator_pb2.GetStatusResponse(replica_id="slow")
+
+    srv = await _generator(Slow())
+    await srv.serving(True)
+
+    async def readmit(name, address):
+        pass
+
+    rot = await _rotation([srv], readmit)
+    try:
+        rep = rot.replicas[0]
+        call = asyncio.ensure_future(
+            generator_pb2_grpc.GeneratorServiceStub(rep.channel).GetStatus(
+                generator_pb2.GetStatusRequest(), timeout=10
+            )
+        )
+        await asyncio.sleep(0.1)
+        rot.mark_down(rep, "another call failed")
+        await asyncio.sleep(0.06)
+        assert [r.name for r in await rot.available()] == ["gen-0"]  # readmitted on a new channel
+        release.set()
+        assert (await asyncio.wait_for(call, 10)).replica_id == "slow"
+    finally:
+        await rot.close()
+        await srv.stop()
+
+
+async def test_callers_wait_past_the_bound_for_a_replica_its_supervisor_is_restarting():
+    """A short ``replica_wait_seconds`` gives up on a hung replica quickly; a crashed one that
+    the embedded supervisor is starting again (vLLM takes a while to load) is waited for."""
+    a = HealthServer()
+    await a.start()
+    restarting = {"gen-0"}
+    rot = Rotation(
+        "generator",
+        {"gen-0": a.address},
+        SERVICE,
+        probe_s=0.05,
+        wait_s=0.1,
+        coming_back=restarting.__contains__,
+    )
+    try:
+        rot.mark_down(rot.replicas[0], "UNAVAILABLE: killed")
+        await a.stop()
+
+        async def back_later():
+            await asyncio.sleep(0.5)  # five times the bound
+            await a.start()
+            restarting.clear()
+
+        task = asyncio.ensure_future(back_later())
+        assert [r.name for r in await asyncio.wait_for(rot.available(), 10)] == ["gen-0"]
+        await task
+        rot.mark_down(rot.replicas[0], "hung")  # not being restarted: the bound holds
+        await a.stop()
+        with pytest.raises(NoReplicaLeft):
+            await asyncio.wait_for(rot.available(), 10)
+    finally:
+        await rot.close()
+        await a.stop()

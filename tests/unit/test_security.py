@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import subprocess
 import sys
+import threading
 from types import SimpleNamespace
 
 import grpc
@@ -207,7 +209,8 @@ def test_config_validation(pki, tmp_path):
 
 
 def test_experiment_learner_calls_generators_like_the_coordinator(tmp_path):
-    from relayrl.coordinator.config import ExperimentConfig, resolve_paths
+    from relayrl.coordinator.config import ExperimentConfig
+    from relayrl.coordinator.derive import resolve_paths
 
     exp = ExperimentConfig(
         model={"path": "m"}, data={"train": "t.jsonl"}, services={"security": {"ca": "certs/ca.pem"}}
@@ -228,3 +231,48 @@ def test_serve_cli_refuses_an_open_bind_without_tls(tmp_path):
     assert proc.returncode != 0
     assert "--insecure" in proc.stderr
     assert "ready" not in proc.stdout  # it stopped before serving or starting workers
+
+
+def _read_in_a_thread(read, path: str) -> BaseException | object:
+    """``read(path)``'s result or error, from a daemon thread joined with a bound: a read that
+    blocks (a FIFO) or never ends (/dev/zero) fails the test instead of hanging the suite."""
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(read(path))
+        except BaseException as e:
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), f"reading {path} did not return"
+    return out[0]
+
+
+@pytest.mark.parametrize("read", [security.read_token, lambda p: security.read_file(p, "tls ca")])
+def test_secret_files_are_small_regular_files(tmp_path, read):
+    # A config names any path: /dev/zero read whole never ends, a FIFO blocks its reader.
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * (security.MAX_PEM_FILE_BYTES + 1))
+    for path, needle in [
+        (str(fifo), "not a regular file"),
+        ("/dev/zero", "not a regular file"),
+        (str(tmp_path), "not a regular file"),
+        (str(big), "larger than"),
+        (str(tmp_path / "a\0b"), "cannot read"),
+    ]:
+        got = _read_in_a_thread(read, path)
+        assert isinstance(got, security.SecurityError) and needle in str(got), (path, got)
+
+
+def test_a_token_file_is_at_most_64_kib(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("t" * (64 << 10) + "\n")
+    with pytest.raises(security.SecurityError, match="larger than 65536 bytes"):
+        security.read_token(str(token))
+    token.write_text("t" * 1000 + "\n")
+    assert security.read_token(str(token)) == "t" * 1000

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from pathlib import Path
 
@@ -116,3 +117,103 @@ def test_wandb_offline_run_holds_every_scalar_per_step(tmp_path, monkeypatch):
         (2, {"reward_mean": 0.75, "loss": 0.2, "eval_accuracy": 0.5}),
     ]
     assert all(math.isfinite(v) for _, h in history for v in h.values())
+
+
+# -- off the event loop ---------------------------------------------------------------------------
+
+
+class SlowWriter:
+    """A TensorBoard writer that writes nothing until ``gate`` opens (a slow disk, a hung mount)."""
+
+    def __init__(self, wait: float = 30.0, fail_at: int | None = None):
+        self.gate, self.wait, self.fail_at = threading.Event(), wait, fail_at
+        self.entered = threading.Event()  # the tracker's thread is at the gate
+        self.caller = threading.get_ident()
+        self.scalars: list[tuple[str, float, int]] = []
+        self.closed = False
+
+    def add_scalar(self, tag, value, step, walltime=None):
+        # Written by the test's own thread (synchronously) it would wait here for the gate that
+        # only the test opens, later: the wait's end would be a failure.
+        assert threading.get_ident() != self.caller, "the tracker wrote on the caller's thread"
+        self.entered.set()
+        if not self.gate.wait(self.wait):
+            raise TimeoutError("gate never opened")
+        if step == self.fail_at:
+            raise OSError("disk full (test)")
+        self.scalars.append((tag, value, step))
+
+    def flush(self):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+def slow_trackers(tmp_path, writer: SlowWriter, **kw) -> Trackers:
+    trackers = Trackers(TrackingSection(), tmp_path, **kw)
+    trackers.tb = writer  # as TrackingSection(tensorboard=True) would, with a writer that stalls
+    return trackers
+
+
+def test_a_slow_tracker_never_holds_the_caller_and_gets_every_record_in_order(tmp_path):
+    writer = SlowWriter()
+    trackers = slow_trackers(tmp_path, writer)
+    for step in range(5):
+        trackers.log({"step": step, "time": 1.0, "reward_mean": step / 10})  # returns, gate closed
+    assert writer.scalars == []
+    writer.gate.set()
+    trackers.close()
+    assert writer.scalars == [("reward_mean", step / 10, step) for step in range(5)] and writer.closed
+
+
+def test_close_waits_no_longer_than_its_deadline_for_a_hung_tracker(tmp_path, caplog):
+    writer = SlowWriter(wait=60.0)
+    trackers = slow_trackers(tmp_path, writer)
+    trackers.log({"step": 1, "reward_mean": 0.5})
+    done = threading.Event()
+    closer = threading.Thread(target=lambda: (trackers.close(timeout=0.2), done.set()), daemon=True)
+    closer.start()
+    closer.join(30)  # a generous bound: close gives up after 0.2 s, not after the writer's 60 s
+    assert done.is_set(), "close() waited for the hung tracker"
+    assert "trackers did not finish within" in caplog.text
+    writer.gate.set()  # let the abandoned thread end
+
+
+def test_a_tracker_far_behind_loses_records_to_itself_not_to_the_run(tmp_path, caplog):
+    writer = SlowWriter()
+    trackers = slow_trackers(tmp_path, writer, queue_records=3)
+    trackers.log({"step": 0, "reward_mean": 1.0})
+    assert writer.entered.wait(30)  # the thread holds step 0 at the gate
+    for step in range(1, 10):
+        trackers.log({"step": step, "reward_mean": 1.0})  # never waits for room
+    # Steps 1-3 fill the queue; the 6 after them are left out.
+    assert trackers.dropped == 6 and "not sent to them" in caplog.text
+    writer.gate.set()
+    trackers.close()
+    assert [s for *_, s in writer.scalars] == [0, 1, 2, 3]
+
+
+def test_a_tracker_that_fails_fails_the_next_call(tmp_path):
+    writer = SlowWriter(fail_at=1)
+    writer.gate.set()
+    trackers = slow_trackers(tmp_path, writer)
+    trackers.log({"step": 1, "reward_mean": 0.5})
+    deadline = time.monotonic() + 30
+    while trackers.failure is None:  # the thread has not tried step 1 yet
+        assert time.monotonic() < deadline, "the tracker's failure was never seen"
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError, match="a tracker failed: OSError: disk full"):
+        trackers.log({"step": 2, "reward_mean": 0.6})
+    trackers.log({"step": 3, "reward_mean": 0.7})  # said once: the run decides what to do
+    trackers.close()
+    assert writer.scalars == [] and writer.closed
+
+
+def test_a_failure_on_the_last_record_is_logged_by_close_which_never_raises(tmp_path, caplog):
+    writer = SlowWriter(fail_at=1)
+    writer.gate.set()
+    trackers = slow_trackers(tmp_path, writer)
+    trackers.log({"step": 1, "reward_mean": 0.5})
+    trackers.close()
+    assert "a tracker failed: OSError: disk full" in caplog.text

@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from relayrl.common.v1 import common_pb2
-from relayrl.coordinator.batch import Rollout, train_batch
-from relayrl.coordinator.config import AlgorithmSection, ScheduleSection
+from relayrl.coordinator.batch import Rollout, reward_stats, train_batch
+from relayrl.coordinator.config import AlgorithmSection, ScheduleSection, ServicesSection
+from relayrl.coordinator.errors import ScoringFailed
 from relayrl.reward.v1 import reward_pb2 as rw
 
 
@@ -35,8 +36,18 @@ def _group(rewards: list[float], lengths: list[int], version: int = 3):
 
 def _cfg(advantage: str, **algo):
     return SimpleNamespace(
-        algorithm=AlgorithmSection(advantage=advantage, **algo), schedule=ScheduleSection(max_staleness=1)
+        algorithm=AlgorithmSection(advantage=advantage, **algo),
+        schedule=ScheduleSection(max_staleness=1),
+        services=ServicesSection(),
     )
+
+
+def _failed(group, index: int, status=rw.SCORE_STATUS_ERROR):
+    """``group`` with sample ``index`` unscored (reward 0.0, as a failed result carries)."""
+    row, samples, results = group
+    results = list(results)
+    results[index] = rw.RewardResult(sample_id=f"p/{index}", status=status, reward=0.0, error="boom")
+    return row, samples, results
 
 
 def _train_batch(advantage: str, groups, version: int = 3, **algo):
@@ -148,3 +159,62 @@ def test_explained_variance_is_nan_when_every_return_is_the_same():
         train_batch(_cfg("gae"), 3, Rollout([_group([1.0, 1.0], [1, 1])]), "run", critic=StandIn(0.0))
     )
     assert math.isnan(tb.stats["critic_explained_var"])
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "rloo"])
+def test_a_scorer_error_is_left_out_of_its_group_not_trained_as_a_reward_of_0(advantage):
+    """An infrastructure failure is no wrong answer: counted as 0 it would be trained on and
+    would move every other member's advantage (the baseline)."""
+    healthy, _ = _train_batch(advantage, [_group([1.0, 0.5, 0.0], [1, 1, 1])])
+    out, stats = _train_batch(advantage, [_failed(_group([1.0, 0.5, 0.0, 0.0], [1, 1, 1, 1]), 3)])
+    assert len(out) == 3 and stats["unscored_samples"] == 1
+    assert [s.advantage for s in out] == pytest.approx([s.advantage for s in healthy])
+
+
+def test_a_group_left_with_fewer_than_two_scored_samples_gives_no_signal():
+    out, stats = _train_batch("grpo", [_failed(_group([1.0, 0.0], [1, 1]), 1), _group([1.0, 0.0], [1, 1])])
+    assert len(out) == 2 and stats["unscored_groups"] == 1 and stats["unscored_samples"] == 1
+
+
+def test_token_level_advantages_leave_unscored_samples_out_too():
+    out, stats = _train_batch("reinforce_pp", [_failed(_group([1.0, 0.0, 1.0], [1, 1, 1]), 2)])
+    assert len(out) == 2 and stats["unscored_samples"] == 1
+
+
+def test_a_timeout_counts_as_the_configured_reward_or_is_left_out():
+    group = _failed(_group([1.0, 0.0, 0.0], [1, 1, 1]), 2, rw.SCORE_STATUS_TIMEOUT)
+    left_out, stats = _train_batch("drgrpo", [group])
+    assert len(left_out) == 2 and stats["unscored_samples"] == 1
+    counted, stats = _train_batch("drgrpo", [group], timeout_reward=-1.0)
+    assert [s.advantage for s in counted] == pytest.approx([1.0, 0.0, -1.0]) and stats[
+        "unscored_samples"
+    ] == 0
+
+
+def test_reward_stats_average_the_scored_samples_and_fail_loud_past_the_error_bound():
+    cfg = _cfg("grpo")
+    ro = Rollout([_failed(_group([1.0, 1.0, 1.0, 1.0], [1, 1, 1, 1]), 0)])
+    stats = reward_stats(cfg, ro)
+    assert stats["reward_mean"] == 1.0 and stats["reward_errors"] == 1 and stats["reward_timeouts"] == 0
+    many = Rollout([_failed(_failed(_failed(_group([1.0] * 4, [1] * 4), 0), 1), 2)])
+    with pytest.raises(ScoringFailed, match=r"3 of 4 samples .* SCORE_STATUS_ERROR for p/0: 'boom'"):
+        reward_stats(cfg, many)
+    cfg.services = ServicesSection(max_reward_error_fraction=0.75)
+    assert reward_stats(cfg, many)["reward_errors"] == 3
+
+
+def test_the_kl_for_the_adaptive_controller_is_also_averaged_per_sequence():
+    """verl's controller averages per completion first: on mixed lengths the two differ."""
+
+    class Ref(StandIn):
+        async def compute_logprobs(self, run_id, sequences):  # k1 = 1 on the long one, 0 on the short
+            return [
+                [-1.5 if len(s.completion_token_ids) == 3 else -0.5] * len(s.completion_token_ids)
+                for s in sequences
+            ]
+
+    tb = asyncio.run(
+        train_batch(_cfg("reinforce_pp"), 3, Rollout([_group([1.0, 0.0], [3, 1])]), "run", reference=Ref(0))
+    )
+    assert tb.stats["kl_reward"] == pytest.approx(0.75)  # 3 tokens of 1, 1 of 0
+    assert tb.stats["kl_reward_per_sequence"] == pytest.approx(0.5)  # (1 + 0) / 2

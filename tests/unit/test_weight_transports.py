@@ -44,12 +44,9 @@ def test_a_forced_transport_is_taken_as_is(forced):
 def _read(name: str, offset: int, n: int, out) -> None:
     seg = Segment.attach(name)
     try:
-        view = seg.view()
-        out.put((bytes(view[offset : offset + n].tolist()), host_id()))
-        try:
-            seg.view(writable=True)
-        except ValueError as e:
-            out.put(str(e))
+        buf = torch.empty(n, dtype=torch.uint8)
+        seg.read_into(offset, buf)
+        out.put((bytes(buf.tolist()), host_id()))
     finally:
         seg.close()
 
@@ -60,13 +57,12 @@ def test_a_segment_made_here_is_read_by_another_process_and_gone_when_closed():
     seg = Segment.create(bucket.nbytes + 64)
     try:
         tensors = [torch.tensor([1.5, -2.0, 3.25]), torch.tensor([7, 9])]
-        buf = ws.pack(bucket, tensors, out=seg.view(writable=True)[64 : 64 + bucket.nbytes])
+        buf = ws.pack(bucket, tensors, out=seg.view()[64 : 64 + bucket.nbytes])
         assert ws.checksum(buf) == ws.checksum(ws.pack(bucket, tensors))
         q = mp.get_context("spawn").Queue()
         p = mp.get_context("spawn").Process(target=_read, args=(seg.name, 64, bucket.nbytes, q))
         p.start()
         data, their_host = q.get(timeout=60)
-        assert "read-only" in q.get(timeout=60)
         p.join(30)
         assert data == bytes(buf.tolist()) and their_host == host_id()
         assert [
@@ -115,7 +111,7 @@ def _wait_all(name: str, n: int, size: int, push_id: int, out) -> None:
 
     seg = Segment.attach(name)
     try:
-        table, view = ReadyTable(seg, 0, n), seg.view()
+        table, data = ReadyTable(seg, 0, n), torch.empty(size, dtype=torch.uint8)
         got = []
         for i in range(n):
             try:
@@ -123,10 +119,9 @@ def _wait_all(name: str, n: int, size: int, push_id: int, out) -> None:
             except (RuntimeError, TimeoutError) as e:
                 got.append(str(e))
                 break
-            data = view[64 + i * size : 64 + (i + 1) * size]
+            seg.read_into(64 + i * size, data)
             got.append((expected, ws.checksum(data), _time.monotonic()))
         out.put(got)
-        del view
     finally:
         seg.close()
 
@@ -139,7 +134,7 @@ def test_a_pipelined_push_is_read_bucket_by_bucket_as_the_ready_table_marks_them
     n, size = 3, 4096
     seg = Segment.create(64 + n * size)
     try:
-        table, view = ReadyTable(seg, 0, n), seg.view(writable=True)
+        table, view = ReadyTable(seg, 0, n), seg.view()
         for i in range(n):  # push 1 complete: its marks stay in the table
             table.mark(i, 1, 0)
         ctx = mp.get_context("spawn")
@@ -309,3 +304,93 @@ def test_a_retired_group_is_dropped_after_the_delay_and_not_before():
     assert holder
     time.sleep(1.0)
     assert not holder
+
+
+def _open_in_thread(name: str) -> BaseException | None:
+    """``Segment.attach(name)`` in a thread that may not return (a FIFO blocks an ordinary open)."""
+    import threading
+
+    box: list = []
+
+    def run() -> None:
+        try:
+            Segment.attach(name).close()
+            box.append(None)
+        except BaseException as e:
+            box.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(20)
+    assert box, f"opening {name} blocked"
+    return box[0]
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "directory", "hard link"])
+def test_a_name_opens_only_a_real_segment_and_no_error_quotes_what_it_holds(tmp_path, kind):
+    """A caller names the segment: a symbolic link named like one would let it read any file the
+    generator can (the probe's error quoted the first 8 bytes), and a FIFO would block it."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"TOPSECRETBYTES!!" * 4)
+    name = f"relayrl-t-{os.getpid()}-{kind.replace(' ', '')}"
+    path = ROOT / name
+    mine = Segment.create(64, "t") if kind == "hard link" else None
+    try:
+        if kind == "symlink":
+            path.symlink_to(secret)
+        elif kind == "fifo":
+            os.mkfifo(path, 0o600)
+        elif kind == "directory":
+            path.mkdir()
+        else:
+            os.link(ROOT / mine.name, path)
+        err = _open_in_thread(name)
+        assert isinstance(err, ValueError), err
+        assert "SECRET" not in str(err) and str(int.from_bytes(b"TOPSECRE", "little")) not in str(err)
+    finally:
+        if path.is_dir() and not path.is_symlink():
+            path.rmdir()
+        else:
+            path.unlink(missing_ok=True)
+        if mine is not None:
+            mine.close()
+
+
+def test_a_missing_segment_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match="relayrl-t-0-gone does not exist"):
+        Segment.attach("relayrl-t-0-gone")
+
+
+_TRUNCATED_READER = """
+import sys, time
+from relayrl.common.shm import ReadyTable, Segment
+seg = Segment.attach(sys.argv[1])
+table = ReadyTable(seg, 0, 4)
+print("open", flush=True)
+sys.stdin.readline()  # the learner's side truncates the segment meanwhile
+try:
+    table.wait(3, 7, time.monotonic() + 5)
+except ValueError as e:
+    print("refused:", e, flush=True)
+"""
+
+
+def test_a_segment_truncated_while_a_reader_waits_is_an_error_not_a_signal():
+    """A mapped segment read past the end its owner truncated it to kills the reader with SIGBUS:
+    in a generator, the EngineCore, and the process with it. Read, it is an error of the call."""
+    import subprocess
+    import sys
+
+    seg = Segment.create(4096, "t")
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _TRUNCATED_READER, seg.name],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert child.stdout.readline().strip() == "open"
+        os.truncate(ROOT / seg.name, 0)
+        out, err = child.communicate("go\n", timeout=60)
+        assert child.returncode == 0, (child.returncode, err)
+        assert "refused:" in out and "truncated" in out
+    finally:
+        seg.close()

@@ -16,8 +16,11 @@ and the field.
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
+import re
+import stat
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -162,6 +165,94 @@ def load_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return [validate_row(row, where) for where, row in raw]
 
 
+HEAD_ROWS = 16
+"""Rows ``check_head`` validates."""
+HEAD_BYTES = 4 << 20
+"""Most bytes of a JSON dataset ``check_head`` reads (a parquet file: its footer and first rows)."""
+
+
+def check_head(path: str | os.PathLike[str], rows: int = HEAD_ROWS) -> None:
+    """Validate the first ``rows`` rows of a dataset file, reading a bounded part of it: what a
+    service checks before it accepts a run that reads the whole file later. DatasetError, as
+    from ``load_rows``, for a file that is not a regular file, does not parse or has a bad row."""
+    path = Path(path)
+    suffix = _suffix(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block us
+    except OSError as e:
+        raise DatasetError(f"{path}: cannot read ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DatasetError(f"{path}: not a regular file")
+        if st.st_size == 0:
+            raise DatasetError(f"{path}: empty file (no rows)")
+        raw = _parquet_head(f, path, rows) if suffix == ".parquet" else _json_head(f, path, rows, st.st_size)
+    if not raw:
+        raise DatasetError(f"{path}: no rows")
+    for where, row in raw:
+        validate_row(row, where)
+
+
+def _parquet_head(f: Any, path: Path, rows: int) -> list[tuple[str, Any]]:
+    try:
+        pf = pq.ParquetFile(f)
+        missing = [c for c in REQUIRED_COLUMNS if c not in pf.schema_arrow.names]
+        if missing:
+            raise DatasetError(f"{path}: no column {', '.join(map(repr, missing))}")
+        batch = next(pf.iter_batches(batch_size=rows), None)
+        first = batch.to_pylist() if batch is not None else []
+    except (pa.ArrowException, OSError) as e:
+        raise DatasetError(f"{path}: not a readable parquet file ({e})") from e
+    return [(f"{path}: row {i} (0-based)", r) for i, r in enumerate(first)]
+
+
+def _json_head(f: Any, path: Path, rows: int, size: int) -> list[tuple[str, Any]]:
+    head = f.read(HEAD_BYTES)
+    cut = len(head) < size  # the read stopped inside the file: its last row may be partial
+    try:  # incremental: a character cut by the bound is left out, not an error
+        text = codecs.getincrementaldecoder("utf-8")().decode(head, final=not cut)
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{path}: not UTF-8 text ({e})") from e
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        return _array_head(text, path, rows, cut)
+    if cut:
+        text = text[: text.rfind("\n") + 1]
+        if not text.strip():
+            raise DatasetError(f"{path}: no complete line in its first {HEAD_BYTES} bytes")
+    out = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if len(out) == rows:
+            break
+        if not line.strip():
+            continue
+        try:
+            out.append((f"{path}: row {len(out)} (0-based, line {lineno})", json.loads(line)))
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise DatasetError(f"{path}: line {lineno} (1-based): not valid JSON ({e})") from e
+    return out
+
+
+_BETWEEN_ROWS = re.compile(r"[\s,]*")
+
+
+def _array_head(text: str, path: Path, rows: int, cut: bool) -> list[tuple[str, Any]]:
+    """The first rows of one JSON array of rows (``cut``: ``text`` ends inside the file)."""
+    decoder, pos, out = json.JSONDecoder(), text.index("[") + 1, []
+    while len(out) < rows:
+        pos = _BETWEEN_ROWS.match(text, pos).end()
+        if pos >= len(text) or text[pos] == "]":
+            break
+        try:
+            row, pos = decoder.raw_decode(text, pos)
+        except (json.JSONDecodeError, RecursionError) as e:
+            if cut and out:  # possibly the row the read bound cut: the rows before it were good
+                break
+            raise DatasetError(f"{path}: row {len(out)} (0-based): not valid JSON ({e})") from e
+        out.append((f"{path}: row {len(out)} (0-based)", row))
+    return out
+
+
 # ---- writing ----------------------------------------------------------------------------------------
 
 
@@ -175,13 +266,21 @@ def _checked(rows: Iterable[Mapping[str, Any]], path: Path) -> list[dict[str, An
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> Path:
-    """Write through a temporary file in the same folder, so readers never see half a file."""
+    """Write through a temporary file in the same folder, so readers never see half a file,
+    and flush it to disk before the rename (a power loss then leaves the old file or the new)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(Path(tmp))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

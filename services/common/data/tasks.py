@@ -41,6 +41,11 @@ MAX_SHOTS = 8
 """Most worked examples a prompt may carry (``shots``)."""
 
 ANSWER_TAGS = "Put the answer in <answer> </answer> tags."
+MAX_NUMBER = 10**6
+"""Largest operand of countdown and arithmetic (countdown's target: its square): far past what a
+model learns, and small enough that no row's text grows without bound."""
+MAX_DIGITS = 4096
+"""Longest digit string of ``reverse``."""
 
 
 # ---- small pure helpers ---------------------------------------------------------------------------
@@ -113,10 +118,14 @@ def _countdown(
 def _countdown_check(num_numbers: int | None, min_number: int, max_number: int, max_target: int) -> None:
     if num_numbers is not None and not 2 <= num_numbers <= 6:
         raise ValueError(f"num_numbers must be in 2..6 (or None for 3 or 4), got {num_numbers}")
-    if not 1 <= min_number <= max_number:
-        raise ValueError(f"need 1 <= min_number <= max_number, got {min_number}..{max_number}")
-    if max_target < max_number:
-        raise ValueError(f"max_target ({max_target}) must be at least max_number ({max_number})")
+    if not 1 <= min_number <= max_number <= MAX_NUMBER:
+        raise ValueError(
+            f"need 1 <= min_number <= max_number <= {MAX_NUMBER}, got {min_number}..{max_number}"
+        )
+    if not max_number <= max_target <= MAX_NUMBER**2:
+        raise ValueError(
+            f"max_target must be in max_number..{MAX_NUMBER**2} ({max_number}..), got {max_target}"
+        )
 
 
 def _countdown_reference(row: Mapping[str, Any]) -> str:
@@ -148,8 +157,8 @@ def _arithmetic(rng: random.Random, min_operands: int, max_operands: int, max_va
 def _arithmetic_check(min_operands: int, max_operands: int, max_value: int) -> None:
     if not 2 <= min_operands <= max_operands <= 6:
         raise ValueError(f"need 2 <= min_operands <= max_operands <= 6, got {min_operands}..{max_operands}")
-    if max_value < 1:
-        raise ValueError(f"max_value must be >= 1, got {max_value}")
+    if not 1 <= max_value <= MAX_NUMBER:
+        raise ValueError(f"max_value must be in 1..{MAX_NUMBER}, got {max_value}")
 
 
 def _answer_reference(row: Mapping[str, Any]) -> str:
@@ -178,8 +187,8 @@ def _reverse(rng: random.Random, min_len: int, max_len: int, trace: bool) -> Pro
 
 
 def _reverse_check(min_len: int, max_len: int, trace: bool) -> None:
-    if not 1 <= min_len <= max_len:
-        raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}..{max_len}")
+    if not 1 <= min_len <= max_len <= MAX_DIGITS:
+        raise ValueError(f"need 1 <= min_len <= max_len <= {MAX_DIGITS}, got {min_len}..{max_len}")
 
 
 def _reverse_reference(row: Mapping[str, Any]) -> str:
@@ -253,6 +262,29 @@ def generate(task: str, n: int, seed: int, split: str = "train", **params: Any) 
     >>> rows[0]["extra_info"]["split"], rows[1]["extra_info"]["index"]
     ('train', 1)
     """
+    return generate_rows(task, n, seed, split, params)
+
+
+class GenerationStopped(Exception):
+    """``generate_rows`` was told to stop before it had every row."""
+
+
+STOP_EVERY = 1024
+"""Draws between two questions to ``generate_rows``'s ``stop``."""
+
+
+def generate_rows(
+    task: str,
+    n: int,
+    seed: int,
+    split: str = "train",
+    params: Mapping[str, Any] | None = None,
+    stop: Callable[[], bool] | None = None,
+) -> list[dict[str, Any]]:
+    """``generate`` with the task's parameters as a mapping, and ``stop``, asked every
+    ``STOP_EVERY`` draws: once it answers true, GenerationStopped (a coordinator preparing the
+    data of a run that was stopped meanwhile, from another thread, gives up at once)."""
+    params = dict(params or {})
     spec = TASKS.get(task)
     if spec is None:
         raise ValueError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
@@ -284,6 +316,8 @@ def generate(task: str, n: int, seed: int, split: str = "train", **params: Any) 
                 "the problem space is too small (widen the parameters or ask for fewer)"
             )
         budget -= 1
+        if stop is not None and budget % STOP_EVERY == 0 and stop():
+            raise GenerationStopped(f"{task}: stopped after {len(rows)} of {n} {split} rows")
         p = spec.sample(rng, **kw)
         if p.key in seen or split_of(task, p.key) != split:
             continue

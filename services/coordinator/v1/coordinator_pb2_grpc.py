@@ -69,11 +69,21 @@ class CoordinatorServiceServicer:
     def StartExperiment(self, request, context):
         """Client -> coordinator: start (or resume) an experiment and return at once, typically in
         state PENDING. Everything is checked first: OK means the experiment is under way.
+        Checked: the config validates (nested at most 64 levels, 100,000 values; generated data at
+        most 50,000 rows per file); every path it names lies inside the coordinator's root once
+        links are followed (runs_dir, data files, model folders, learner checkpoint_dir, and every
+        certificate, key and token file: the token is sent to the service addresses the experiment
+        names); certificate and key files are regular files of at most 4 MiB, token files regular
+        files of at most 64 KiB holding one word; data files that exist are regular files whose
+        first 16 rows parse and fit the dataset schema (a bounded read); resume_from holds a
+        readable checkpoints/coordinator.json naming a tag and a step.
         Idempotent by run_id: a run_id already known returns that experiment's status without
-        starting another. INVALID_ARGUMENT for a config that does not validate, inputs (model,
-        data) that are missing and cannot be built, or a path outside the coordinator's root;
-        ALREADY_EXISTS for a run_id whose run folder exists but this coordinator did not start;
-        RESOURCE_EXHAUSTED when the coordinator runs as many experiments as it allows.
+        starting another, also when several starts of one run_id arrive at once (one experiment,
+        counted once against the coordinator's limit). INVALID_ARGUMENT for a config that does not
+        validate, inputs (model, data) that are missing, unreadable or cannot be built, or a path
+        outside the coordinator's root; ALREADY_EXISTS for a run_id whose run folder exists but
+        this coordinator did not start; RESOURCE_EXHAUSTED when the coordinator runs as many
+        experiments as it allows.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -88,15 +98,17 @@ class CoordinatorServiceServicer:
 
     def StopExperiment(self, request, context):
         """Client -> coordinator: ask an experiment to stop and return at once (state STOPPING, then
-        STOPPED). Stopping a finished experiment returns its status unchanged. NOT_FOUND for an
-        unknown run_id.
+        STOPPED). An experiment stopped while PENDING never becomes RUNNING: it ends STOPPED
+        without a step (data being generated for it stops too). Stopping a finished experiment
+        returns its status unchanged. NOT_FOUND for an unknown run_id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListExperiments(self, request, context):
-        """Client -> coordinator: every experiment this coordinator knows, newest first.
+        """Client -> coordinator: every experiment this coordinator knows, newest first (the latest
+        started or resumed first).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

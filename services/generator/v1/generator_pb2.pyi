@@ -200,13 +200,15 @@ class LoadWeightsRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., tensor: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., offset: _Optional[int] = ..., num_tensors: _Optional[int] = ...) -> None: ...
 
 class LoadWeightsResponse(_message.Message):
-    __slots__ = ("version", "swap_seconds", "nbytes", "num_tensors")
+    __slots__ = ("version", "swap_seconds", "nbytes", "num_tensors", "tensor_checksums")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SWAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     version: int
     swap_seconds: float
     nbytes: int
     num_tensors: int
-    def __init__(self, version: _Optional[int] = ..., swap_seconds: _Optional[float] = ..., nbytes: _Optional[int] = ..., num_tensors: _Optional[int] = ...) -> None: ...
+    tensor_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., swap_seconds: _Optional[float] = ..., nbytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., tensor_checksums: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -96,7 +96,9 @@ class GeneratorServiceServicer:
         as rank 0. SHM or IPC: read the probe the learner made (a shared-memory segment, or a CUDA
         IPC handle) and check its checksum, so a transport that cannot work between these two
         processes fails here, with the reason, never at a push. FAILED_PRECONDITION when weight
-        sync is open already (call CloseWeightSync first) or when the probe cannot be read.
+        sync is open already (call CloseWeightSync first), when the probe cannot be read (the
+        message never quotes what a segment holds) or for NCCL on a CPU replica; UNAVAILABLE when
+        the group's rendezvous cannot be reached or does not form in time.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -109,7 +111,12 @@ class GeneratorServiceServicer:
         reuses or frees them only after this call answers.
         The call returns once all buckets are loaded into the engine. In-flight samples continue on
         the new weights and record the switch in Sample.version_spans. FAILED_PRECONDITION when no
-        group is open or version is not greater than the replica's policy_version.
+        group is open or version is not greater than the replica's policy_version;
+        INVALID_ARGUMENT for a plan, segment, offset or buffer that does not fit, refused before
+        anything is loaded (the replica keeps serving its version); DATA_LOSS for bytes that differ
+        from the checksum the ready table gives; UNAVAILABLE when the transfer breaks (a push given
+        up, a lost peer, a bucket too late). A failure after some weights reached the engine leaves
+        the replica unready (NOT_SERVING, Generate UNAVAILABLE) until a complete version loads.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

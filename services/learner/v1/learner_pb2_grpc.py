@@ -101,7 +101,8 @@ class LearnerServiceServicer:
         deadline passes before it can start is not taken (DEADLINE_EXCEEDED); once started it runs
         to its end even if the caller goes away, and a retry gets its response. INVALID_ARGUMENT
         for a batch that cannot be trained on (empty, mismatched per-token lengths, values out of
-        range), and for one whose gradient norm is not finite: that step is not applied.
+        the ranges TrainSample states; the message names the sample, the field and the token), and
+        for one whose gradient norm is not finite: that step is not applied.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -138,7 +139,8 @@ class LearnerServiceServicer:
     def SaveCheckpoint(self, request, context):
         """Coordinator -> learner: write a resumable checkpoint (model, optimizer, scheduler, step).
         INVALID_ARGUMENT for a path outside the learner's checkpoint_dir, a tag that is not one plain
-        folder name, or a folder no rank can write to (checked on every rank before any writes).
+        folder name, a client_state_json that is not JSON or is too long, or a folder no rank can
+        write to (checked on every rank before any writes).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -54,9 +54,13 @@ class RewardServiceServicer:
     def Score(self, request, context):
         """Coordinator -> reward: score a batch of completions. A sample whose scorer fails, times
         out, or whose data_source no scorer serves gets a result with status ERROR or TIMEOUT and
-        the rest of the batch is scored; the call itself fails only for a malformed request
+        the rest of the batch is scored; the call itself fails for a malformed request
         (INVALID_ARGUMENT: no items, an item without data_source, extra_info_json that is not a
-        JSON object, fields from a newer contract).
+        JSON object, fields from a newer contract), for too many samples queued
+        (RESOURCE_EXHAUSTED), and with UNAVAILABLE and the reason when the replica cannot score: no
+        scoring worker can be started (its health is then NOT_SERVING; it serves again once one
+        starts, and exits to be restarted if none can for respawn_give_up_seconds), or a sample's
+        worker died twice before taking it. A failure of the service is never a per-sample ERROR.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,120 @@
+"""The derive step: an experiment as written -> the experiment a run uses. Paths made absolute
+against the experiment file's folder, and the service sections filled from the experiment's own
+fields (the model path, the learner's sampling temperature and length normaliser, the critic and
+reference sections from the learner's where unset)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import ValidationError
+from relayrl.common import config as cfg
+from relayrl.common.serving import ClientSecurity
+from relayrl.coordinator.config import ExperimentConfig
+from relayrl.learner.config import LearnerConfig
+
+
+def resolve_paths(exp: ExperimentConfig, base: Path | None) -> ExperimentConfig:
+    """Make paths absolute (relative ones against ``base``, or the working folder) and fill the
+    service sections from the experiment's own fields."""
+    base = base or Path.cwd()
+
+    def rel(p: str) -> str:
+        return str(p if Path(p).is_absolute() else (base / p).resolve())
+
+    updates = {
+        "model": exp.model.model_copy(update={"path": rel(exp.model.path)}),
+        "data": exp.data.model_copy(
+            update={"train": rel(exp.data.train), "test": rel(exp.data.test) if exp.data.test else None}
+        ),
+        "runs_dir": rel(exp.runs_dir),
+    }
+    exp = exp.model_copy(update=updates)
+    _resolve_security_paths(exp, rel)
+    if not exp.generator.engine.model:
+        exp.generator.engine.model = exp.model.path
+    if not exp.learner.model:
+        exp.learner.model = exp.model.path
+    deadline = exp.services.deadline_seconds
+    if exp.services.embedded and exp.learner.weight_sync_timeout_seconds >= deadline:
+        # Left at its default (config.py refuses it set so): a push waits for a silent
+        # generator less than the coordinator waits for the push, so the error names it.
+        exp.learner.weight_sync_timeout_seconds = deadline / 2
+    # The learner scores tokens like the generators sample them, and Dr.GRPO divides by the
+    # longest completion allowed.
+    exp.learner.loss.temperature = exp.sampling.temperature or 1.0
+    if exp.learner.loss.max_tokens_normaliser is None:
+        exp.learner.loss.max_tokens_normaliser = exp.sampling.max_tokens
+    _fill_roles(exp)
+    return exp
+
+
+INHERITED = {
+    "critic": ("model", "dtype", "world_size", "zero_stage", "micro_batch_tokens", "gradient_checkpointing",
+               "logits_chunk_mib", "optim", "security", "checkpoint_dir"),
+    "reference": ("model", "dtype", "zero_stage", "micro_batch_tokens", "logits_chunk_mib", "security",
+                  "checkpoint_dir"),
+}  # fmt: skip
+"""What the critic and the reference take from the learner section where their own leaves a field
+unset (nested fields one by one: ``critic.optim.lr`` alone keeps the learner's schedule)."""
+
+
+def _fill_roles(exp: ExperimentConfig) -> None:
+    """The critic and reference sections the algorithm needs, from the learner's where unset."""
+    if exp.needs_critic:
+        exp.critic = _role(exp.critic, "critic", exp)
+    if exp.needs_reference:
+        exp.reference = _role(exp.reference, "reference", exp)
+
+
+def _merge(base: dict, given: dict) -> dict:
+    out = dict(base)
+    for k, v in given.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+SERVE_INHERITED = {
+    "tls_cert",
+    "tls_key",
+    "tls_client_ca",
+    "token_file",
+    "insecure",
+    "max_message_mb",
+    "grace_seconds",
+}
+"""Who may call the critic and the reference, as the learner (its ``serve`` section less where it
+listens: the roles listen on ports of their own)."""
+
+
+def _role(section: LearnerConfig | None, role: str, exp: ExperimentConfig) -> LearnerConfig:
+    base = exp.learner.model_dump(include=set(INHERITED[role]))
+    base["serve"] = exp.learner.serve.model_dump(include=SERVE_INHERITED)
+    given = section.model_dump(exclude_unset=True) if section is not None else {}
+    try:
+        out = LearnerConfig.model_validate({**_merge(base, given), "role": role})
+    except ValidationError as e:  # a ConfigError naming the field (``reference.loss.kl_coef``)
+        raise cfg.ConfigError(cfg.format_validation_error(e, within=role)) from None
+    out.loss.temperature = exp.learner.loss.temperature  # log-probs as the generators sample
+    return out
+
+
+def _resolve_security_paths(exp: ExperimentConfig, rel) -> None:
+    """Certificate, key and token paths against the experiment's folder, like the other paths;
+    the learner calls the generators as the coordinator does unless its section says otherwise."""
+    roles = [r for r in (exp.critic, exp.reference) if r is not None]
+    for section in (exp.services.security, exp.learner.security, *(r.security for r in roles)):
+        for name in ("ca", "cert", "key", "token_file"):
+            if getattr(section, name):
+                setattr(section, name, rel(getattr(section, name)))
+    for serve in (exp.generator.serve, exp.learner.serve, exp.reward.serve, *(r.serve for r in roles)):
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "token_file"):
+            if getattr(serve, name):
+                setattr(serve, name, rel(getattr(serve, name)))
+    if exp.learner.security == ClientSecurity():
+        exp.learner.security = exp.services.security.model_copy()
+
+
+def load_experiment(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
+    """Load an experiment file; relative paths in it resolve against the file's folder."""
+    return resolve_paths(cfg.load(ExperimentConfig, path, overrides), Path(path).resolve().parent)

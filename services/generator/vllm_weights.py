@@ -1,0 +1,265 @@
+"""Weight swaps of ``VLLMEngine``: the open weight sync, updates over it, loads over gRPC.
+
+Flow: ``open_weight_sync`` (join the learner's group, or read its shared-memory or CUDA IPC
+probe) -> ``update_weights`` (repeatedly) -> ``close_weight_sync``; ``load_weights`` takes tensors
+sent as bytes. The worker extension (``worker_ext.py``) receives and loads inside vLLM's workers
+and answers an ``outcome``; this module turns it into the engine's state and a status code.
+
+What a replica serves is never part of two versions without saying so: a load that had handed
+vLLM any tensor when it failed leaves the weights of no known version, and the replica stops
+being ready until a complete load succeeds. A load refused before its first tensor (a bad
+request, a segment that is not one, a push given up before its first bucket) changes nothing:
+the replica stays ready, at its version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass
+
+from relayrl.common import weightsync as ws
+from relayrl.common.rpc import DataLoss, FailedPrecondition, InvalidRequest, Unavailable
+from relayrl.generator.engine import BucketSource, SyncSpec, within
+
+ENGINE_CALL_S = 60.0
+"""Longest wait for a control call into vLLM (pause, resume, cache reset, leaving a group): they
+take milliseconds, or never end when the EngineCore is dead (``died`` reports that)."""
+
+_STATUS = {"invalid": InvalidRequest, "data_loss": DataLoss, "unavailable": Unavailable}
+
+
+@dataclass
+class _Sync:
+    """The open weight sync: its transport, and the ranks a group transport gave the workers."""
+
+    transport: str
+    rank: int = 0
+    num_ranks: int = 0
+    timeout_s: float = 300.0  # how long a pipelined shared-memory push may wait for a bucket
+
+
+def combine(results: list[dict]) -> dict:
+    """One answer for the replica from its workers' outcomes: any worker's error is the
+    replica's, any touched model is the replica's, and the workers (tensor-parallel ranks, each
+    sent every bucket) must agree on the checksums the first one speaks for.
+
+    >>> ok = {"nbytes": 8, "checksums": [1], "kind": "", "error": "", "touched": True}
+    >>> combine([ok, {**ok, "checksums": [2]}])["kind"]
+    'data_loss'
+    """
+    first = results[0]
+    failed = next((r for r in results if r["error"]), None)
+    if failed is None and any(r["checksums"] != first["checksums"] for r in results):
+        failed = {"kind": "data_loss", "error": "the replica's workers received different bytes"}
+    return {
+        **first,
+        "kind": failed["kind"] if failed else "",
+        "error": failed["error"] if failed else "",
+        "touched": any(r["touched"] for r in results),
+    }
+
+
+class WeightSwaps:
+    """The weight half of ``VLLMEngine`` (a mixin: it shares the engine's state)."""
+
+    def _running(self) -> None:
+        if self._llm is None or self._llm.errored:
+            raise Unavailable("the vLLM engine is not running (starting, stopped or dead)")
+
+    async def open_weight_sync(self, spec: SyncSpec) -> tuple[int, int]:
+        self._running()
+        if self._sync is not None:
+            raise FailedPrecondition("weight sync is open already; close it first")
+        if spec.transport in ("gloo", "nccl"):
+            return await self._open_group(spec)
+        try:  # every worker opens the probe: a transport that cannot work fails here, not at a push
+            if spec.transport == "shm":
+                args = ("relayrl_probe_shm", (spec.shm_probe, spec.probe_checksum))
+            else:
+                args = ("relayrl_probe_ipc", (asdict(spec.ipc_probe), spec.probe_checksum))
+            await within(self._llm.collective_rpc(args[0], args=args[1]), ENGINE_CALL_S, "reading the probe")
+        except Exception as e:
+            raise FailedPrecondition(f"{spec.transport} cannot reach this replica: {e}") from None
+        self._sync = _Sync(spec.transport, timeout_s=spec.timeout_s)
+        return 0, self._num_workers
+
+    async def _open_group(self, spec: SyncSpec) -> tuple[int, int]:
+        if spec.rank < 1 or spec.rank + self._num_workers > spec.world_size:
+            raise InvalidRequest(
+                f"rank {spec.rank} with {self._num_workers} worker(s) does not fit world_size "
+                f"{spec.world_size} (rank 0 is the learner)"
+            )
+        if spec.transport == "nccl" and not self._gpu_uuids:
+            raise FailedPrecondition("nccl needs GPUs; this replica runs on the CPU (use gloo)")
+        args = (
+            spec.master_addr,
+            spec.master_port,
+            spec.world_size,
+            spec.rank,
+            spec.transport,
+            spec.timeout_s,
+        )
+        join = self._llm.collective_rpc("relayrl_open_group", args=(*args, spec.group_name))
+        try:  # the worker's join ends at the group's timeout; past that (and a margin) vLLM is stuck
+            await within(join, spec.timeout_s + ENGINE_CALL_S, "joining the group")
+        except Exception as e:  # the request was checked: what is left is the rendezvous failing
+            raise Unavailable(
+                f"could not join the {spec.transport} weight-sync group at {spec.master_addr}:{spec.master_port}: {e}"
+            ) from None
+        self._sync = _Sync(spec.transport, spec.rank, self._num_workers)
+        return spec.rank, self._num_workers
+
+    async def close_weight_sync(self) -> None:
+        if self._sync is not None:
+            transport, self._sync = self._sync.transport, None
+            if transport in ("gloo", "nccl"):
+                self._running()
+                leave = self._llm.collective_rpc("relayrl_close_group")
+                try:
+                    await within(leave, ENGINE_CALL_S, "leaving the group")
+                except Exception as e:  # closed here already; the worker leaves it at its next join
+                    raise Unavailable(f"leaving the weight-sync group failed in vLLM: {e}") from None
+
+    def _check_version(self, version: int) -> None:
+        if version <= self.version:
+            raise FailedPrecondition(f"version {version} is not newer than the replica's {self.version}")
+
+    def _where(self, buckets: list[ws.Bucket], source: BucketSource | None) -> tuple[str, tuple]:
+        """The worker method that takes ``buckets`` over the open sync, and its arguments."""
+        self._running()
+        if self._sync is None:
+            raise FailedPrecondition("weight sync is not open (InitWeightSync first)")
+        transport = self._sync.transport
+        if (transport in ("gloo", "nccl")) != (source is None):
+            raise InvalidRequest(f"the open weight sync is {transport}: buckets must come over it")
+        if source is None:
+            return "relayrl_receive", ()
+        if transport == "shm" and source.shm_segment:
+            if len(source.shm_offsets) != len(buckets):
+                raise InvalidRequest(f"{len(source.shm_offsets)} shm offsets for {len(buckets)} buckets")
+            ready = (source.shm_push_id, source.shm_ready_offset, self._sync.timeout_s)
+            return "relayrl_read_shm", (source.shm_segment, list(source.shm_offsets), *ready)
+        if transport == "ipc" and source.ipc:
+            if len(source.ipc) != len(buckets):
+                raise InvalidRequest(f"{len(source.ipc)} IPC buffers for {len(buckets)} buckets")
+            if bad := [
+                i for i, (s, b) in enumerate(zip(source.ipc, buckets, strict=True)) if s.nbytes != b.nbytes
+            ]:
+                raise InvalidRequest(
+                    f"ipc.buffers[{bad[0]}] does not hold its bucket's {buckets[bad[0]].nbytes} bytes"
+                )
+            return "relayrl_read_ipc", ([asdict(x) for x in source.ipc],)
+        raise InvalidRequest(f"the open weight sync is {transport}: the request names no {transport} buffers")
+
+    async def update_weights(
+        self,
+        version: int,
+        buckets: list[ws.Bucket],
+        transport_only: bool = False,
+        source: BucketSource | None = None,
+    ) -> tuple[int, float, list[int]]:
+        """Take ``buckets`` over the open weight sync and switch to ``version`` (or, with
+        ``transport_only``, take and discard them: the weights and version stay). Over a group
+        the learner broadcasts them; over SHM or IPC ``source`` says where they are."""
+        from relayrl.generator.worker_ext import plan_to_wire
+
+        method, where = self._where(buckets, source)
+        plan = plan_to_wire(buckets)
+        if transport_only:
+            t0 = time.monotonic()
+            got = self._answer(await self._rpc(method, (plan, *where, False)), version, loading=False)
+            return got["nbytes"], time.monotonic() - t0, got["checksums"]
+        problems = ws.check_plan(
+            [t for b in buckets for t in b.tensors], self._expected, self._optional, self._kinds
+        )
+        stale = version <= self.version
+        if problems or stale:
+            if self._sync.transport in (
+                "gloo",
+                "nccl",
+            ):  # drain the broadcast: the learner must not be left blocked
+                self._answer(await self._rpc(method, (plan, *where, False)), version, loading=False)
+            self._check_version(version)
+            raise InvalidRequest("weight plan does not match the model: " + "; ".join(problems))
+        return await self._swap_in(version, method, (plan, *where, True))
+
+    async def load_weights(
+        self, version: int, items: list[tuple[str, str, list[int], bytes]]
+    ) -> tuple[int, float, list[int]]:
+        """Load tensors received over gRPC and switch to ``version``; the checksums are one per
+        tensor, of the bytes loaded."""
+        self._running()
+        self._check_version(version)
+        metas = [ws.TensorMeta(n, d, tuple(s)) for n, d, s, _ in items]
+        if problems := ws.check_plan(metas, self._expected, self._optional, self._kinds):
+            raise InvalidRequest("weights do not match the model: " + "; ".join(problems))
+        for m, (*_, data) in zip(metas, items, strict=True):
+            if len(data) != m.nbytes:
+                raise InvalidRequest(
+                    f"{m.name}: {len(data)} bytes for {m.dtype}{m.shape} ({m.nbytes} expected)"
+                )
+        named = [(m.name, ws.from_bytes(d, m)) for m, (*_, d) in zip(metas, items, strict=True)]
+        if bad := await asyncio.to_thread(ws.non_finite, named):  # a pass over every byte: off the loop
+            raise InvalidRequest(f"{bad}: holds NaN or infinite values; weights unchanged")
+        return await self._swap_in(version, "relayrl_load_bytes", (items,))
+
+    async def _rpc(self, method: str, args: tuple) -> list[dict]:
+        """A load-sized call into the workers. Its own length is bounded inside them (the group's
+        and the ready table's timeouts); here it also ends when the EngineCore dies."""
+        task = asyncio.ensure_future(self._llm.collective_rpc(method, args=args))
+        while not task.done():
+            await asyncio.wait({task}, timeout=1.0)
+            if not task.done() and self._llm.errored:
+                task.cancel()
+                raise Unavailable("the vLLM engine died during a weight transfer")
+        try:
+            return task.result()
+        except Exception as e:  # the workers answer outcomes: anything raised is unexpected
+            raise Unavailable(f"the weight transfer failed in vLLM's workers: {e}") from e
+
+    def _answer(self, results: list[dict], version: int, loading: bool) -> dict:
+        """The replica's outcome, its state updated: raises the outcome's error, and marks the
+        weights broken when a failed load had reached the model."""
+        got = combine(results)
+        if not got["error"]:
+            return got
+        if loading and got["touched"]:
+            self._weights_broken = True
+            status = DataLoss if got["kind"] == "data_loss" else Unavailable
+            raise status(
+                f"weight load of version {version} failed half-way ({got['error']}); the replica "
+                "serves nothing until a complete version loads"
+            )
+        suffix = "; weights unchanged" if loading else ""
+        raise _STATUS.get(got["kind"], Unavailable)(got["error"] + suffix)
+
+    async def _swap_in(self, version: int, method: str, args: tuple) -> tuple[int, float, list[int]]:
+        # wait: one swap at a time, each bounded (control calls ENGINE_CALL_S; the load by its
+        # transport's timeouts inside the workers, or the engine's death)
+        async with self._swap_lock:
+            self._check_version(version)
+            t0 = time.monotonic()
+            llm = self._llm
+            async with self._gate.swap():
+                # End every request in the engine (they continue once the swap is over) and clear
+                # the prefix cache; the engine is idle when this returns.
+                await within(
+                    llm.pause_generation(mode="abort", clear_cache=True), ENGINE_CALL_S, "pausing vLLM"
+                )
+                try:
+                    try:
+                        results = await self._rpc(method, args)
+                    except Unavailable as e:  # no outcome: how far the load got is unknown
+                        self._weights_broken = True
+                        raise Unavailable(
+                            f"weight load of version {version} failed ({e}); the replica serves "
+                            "nothing until a complete version loads"
+                        ) from e
+                    got = self._answer(results, version, loading=True)
+                    self.version = version
+                    self._weights_broken = False
+                    await within(llm.reset_prefix_cache(), ENGINE_CALL_S, "resetting the prefix cache")
+                finally:
+                    await within(llm.resume_generation(), ENGINE_CALL_S, "resuming vLLM")
+            return got["nbytes"], time.monotonic() - t0, got["checksums"]

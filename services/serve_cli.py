@@ -141,6 +141,9 @@ def eager_without_compiler() -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    from relayrl.common.lifeline import exit_with_parent
+
+    exit_with_parent()  # started by a launcher that owns it: end with it
     config = build_config(args)
     check_access(args.service, config.serve)
     logging.getLogger("relayrl").setLevel(min(logging.INFO, logging.getLogger().level))

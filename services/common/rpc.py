@@ -159,16 +159,22 @@ def _checked_request(request: Any) -> Any:
     return _checked_stream(request)  # a client stream: each message checked as it arrives
 
 
-async def to_the_end(work: Awaitable[Any]) -> Any:
+async def to_the_end(work: Awaitable[Any], stay: bool = False) -> Any:
     """Await ``work`` run as a task of its own that goes on if the caller is cancelled (a client
     cancelled or its deadline passed): a weight swap or a collective op stopped half-way would
-    leave state that nothing records. Its failure is retrieved here (and logged at debug level),
-    so a task whose caller left does not end as "exception was never retrieved"."""
+    leave state that nothing records. A cancelled caller leaves at once, or with ``stay`` waits
+    for the work to end first and then re-raises (a membership change whose caller holds a lock
+    the next one needs). Its failure is retrieved here (and logged at debug level), so a task
+    whose caller left does not end as "exception was never retrieved"."""
     task = asyncio.ensure_future(work)
     task.add_done_callback(_log_orphan_failure)
-    # wait: as long as ``work``, whose own waits are bounded where it is written; a cancelled
-    # caller leaves at once
-    return await asyncio.shield(task)
+    try:
+        # wait: as long as ``work``, whose own waits are bounded where it is written
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if stay and not task.done():
+            await task  # wait: as above
+        raise
 
 
 def _log_orphan_failure(task: asyncio.Future) -> None:

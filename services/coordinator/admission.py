@@ -30,7 +30,7 @@ from relayrl.common.data.dataset import DatasetError, check_head
 from relayrl.common.rpc import InvalidRequest, bounded
 from relayrl.coordinator.assets import missing_inputs
 from relayrl.coordinator.config import ExperimentConfig
-from relayrl.coordinator.derive import resolve_paths
+from relayrl.coordinator.derive import resolve_paths, under
 from relayrl.learner.config import LearnerConfig
 
 MAX_PATH_CHARS = 4096
@@ -94,7 +94,7 @@ def _resolve_service_paths(cfg: ExperimentConfig, root: Path) -> None:
         return
 
     def rel(p: str) -> str:
-        return p if Path(p).is_absolute() else str((root / p).resolve())
+        return under(root, p)
 
     if cfg.generator.engine.model:
         cfg.generator.engine.model = rel(cfg.generator.engine.model)

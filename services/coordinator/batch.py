@@ -74,23 +74,28 @@ def scored_reward(r: rw.RewardResult, timeout_reward: float | None) -> float | N
     return None
 
 
-def reward_stats(cfg: ExperimentConfig, ro: Rollout) -> dict[str, float]:
-    """Reward means over the samples that were scored (a scorer's failure is no reward of
-    0), the failures counted; raises ``ScoringFailed`` when they are more than
-    ``services.max_reward_error_fraction`` of the step."""
-    results = [r for _, _, rs in ro.groups for r in rs]
-    samples = [s for _, ss, _ in ro.groups for s in ss]
+def scored(cfg: ExperimentConfig, results: list[rw.RewardResult]) -> list[tuple[rw.RewardResult, float]]:
+    """The results the reward service scored, with the reward each trains on; raises
+    ``ScoringFailed`` when the others are more than ``services.max_reward_error_fraction``."""
     timeout_reward = cfg.algorithm.timeout_reward
-    rewards = [x for r in results if (x := scored_reward(r, timeout_reward)) is not None]
-    failed = [r for r in results if scored_reward(r, timeout_reward) is None]
+    out = [(r, x) for r in results if (x := scored_reward(r, timeout_reward)) is not None]
     limit = cfg.services.max_reward_error_fraction
-    if results and len(failed) > limit * len(results):
-        first = failed[0]
+    if len(results) - len(out) > limit * len(results):
+        first = next(r for r in results if scored_reward(r, timeout_reward) is None)
         raise ScoringFailed(
-            f"the reward service failed to score {len(failed)} of {len(results)} samples "
+            f"the reward service failed to score {len(results) - len(out)} of {len(results)} samples "
             f"(more than services.max_reward_error_fraction {limit:g}); e.g. "
             f"{rw.ScoreStatus.Name(first.status)} for {first.sample_id}: {first.error[:300]!r}"
         )
+    return out
+
+
+def reward_stats(cfg: ExperimentConfig, ro: Rollout) -> dict[str, float]:
+    """Reward means over the samples that were scored (a scorer's failure is no reward of
+    0), the failures counted; ``ScoringFailed`` past the bound (``scored``)."""
+    results = [r for _, _, rs in ro.groups for r in rs]
+    samples = [s for _, ss, _ in ro.groups for s in ss]
+    rewards = [x for _, x in scored(cfg, results)]
     comps: dict[str, list[float]] = {}
     for r in results:
         if r.status == rw.SCORE_STATUS_OK:

@@ -375,15 +375,6 @@ class ExperimentConfig(StrictModel):
         ):
             if n > per_call:
                 raise ValueError(f"{name} ({n}) exceeds services.generator_samples_per_call ({per_call})")
-        if (  # set so by hand (the derive step lowers the default: derive.py)
-            self.services.embedded
-            and "weight_sync_timeout_seconds" in self.learner.model_fields_set
-            and self.learner.weight_sync_timeout_seconds >= self.services.deadline_seconds
-        ):
-            raise ValueError(
-                "learner.weight_sync_timeout_seconds must be below services.deadline_seconds: the learner "
-                "names a generator that does not answer a push only if the coordinator's call waits longer"
-            )
         if not self.services.embedded:
             for role, need in (("critic", self.needs_critic), ("reference", self.needs_reference)):
                 if need and not getattr(self.services, role):

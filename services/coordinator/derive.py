@@ -14,13 +14,18 @@ from relayrl.coordinator.config import ExperimentConfig
 from relayrl.learner.config import LearnerConfig
 
 
+def under(base: Path, p: str) -> str:
+    """``p`` made absolute: as it is if it is, else resolved under ``base``."""
+    return str(p if Path(p).is_absolute() else (base / p).resolve())
+
+
 def resolve_paths(exp: ExperimentConfig, base: Path | None) -> ExperimentConfig:
     """Make paths absolute (relative ones against ``base``, or the working folder) and fill the
     service sections from the experiment's own fields."""
     base = base or Path.cwd()
 
     def rel(p: str) -> str:
-        return str(p if Path(p).is_absolute() else (base / p).resolve())
+        return under(base, p)
 
     updates = {
         "model": exp.model.model_copy(update={"path": rel(exp.model.path)}),
@@ -35,11 +40,11 @@ def resolve_paths(exp: ExperimentConfig, base: Path | None) -> ExperimentConfig:
         exp.generator.engine.model = exp.model.path
     if not exp.learner.model:
         exp.learner.model = exp.model.path
-    deadline = exp.services.deadline_seconds
-    if exp.services.embedded and exp.learner.weight_sync_timeout_seconds >= deadline:
-        # Left at its default (config.py refuses it set so): a push waits for a silent
-        # generator less than the coordinator waits for the push, so the error names it.
-        exp.learner.weight_sync_timeout_seconds = deadline / 2
+    deadline, sync_s = exp.services.deadline_seconds, exp.learner.weight_sync_timeout_seconds
+    if exp.services.embedded and sync_s + min(30.0, sync_s) >= deadline:
+        # A push waits for a silent generator (its status, then its answer) less than the
+        # coordinator waits for the push, so the error names the generator, not the learner.
+        exp.learner.weight_sync_timeout_seconds = deadline / 3
     # The learner scores tokens like the generators sample them, and Dr.GRPO divides by the
     # longest completion allowed.
     exp.learner.loss.temperature = exp.sampling.temperature or 1.0

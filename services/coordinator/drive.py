@@ -42,29 +42,25 @@ async def drive(
     wait_s = cfg.services.replica_wait_seconds
 
     weights_lock = asyncio.Lock()  # held by the loop while the policy version moves
+    exp: Experiment | None = None
 
     async def readmit(name: str, address: str) -> None:
         """A generator serving again after a failure (a restarted container holds the initial
         weights): registered anew, and given the learner's current weights before it samples.
-        Not while a train step and its push are under way: the version would move between the
-        registration and this push, which the learner then refuses as not current."""
-        # wait: the loop holds it only around a train step and its push (calls under deadlines)
-        async with weights_lock:
-            await _readmit(name, address)
-
-    async def _readmit(name: str, address: str) -> None:
+        The registration runs beside training (the learner never holds a train step for it);
+        the push waits for a train step and its push under way to end, so the version it names
+        is still the learner's when it arrives."""
         reg = await learner.register_generator(name, address)
         try:
-            await learner.push_weights(reg.policy_version)
-        except BaseException as e:
-            # Left registered, a replica that failed again would fail every later push. The
-            # clean-up's own failure is only logged: raised, it would replace the push's error,
-            # or a cancellation (Ctrl-C), which the rotation would then take for a failed try.
-            try:
-                await learner.unregister_generator(name)
-            except Exception as cleanup:
-                logger.warning("unregistering %s after a failed readmission: %r", name, cleanup)
-            raise e
+            # wait: the loop holds it only around a train step and its push (calls under deadlines)
+            async with weights_lock:
+                await learner.push_weights(exp.version if exp is not None else reg.policy_version)
+        except BaseException:
+            # Left registered, a replica that failed again would fail every later push. Not
+            # awaited here: the clean-up's own failure would replace the push's error or a
+            # cancellation (Ctrl-C); the next push or registration waits for it (_forgotten).
+            learner.forget_soon(name)
+            raise
 
     # A dead generator must not fail every later push: the learner forgets it until it is back.
     gens = GeneratorPool(
@@ -86,8 +82,9 @@ async def drive(
         max_attempts=cfg.services.max_attempts,
         coming_back=services.coming_back,
     )
-    trackers = Trackers(
-        cfg.tracking, run_dir, cfg.model_dump(mode="json"), resume_step=state["step"] if state else None
+    # Opening them may talk to W&B or purge TensorBoard's files: not on the event loop.
+    trackers = await asyncio.to_thread(
+        Trackers, cfg.tracking, run_dir, cfg.model_dump(mode="json"), state["step"] if state else None
     )
 
     def record(rec: dict) -> None:

@@ -2,15 +2,13 @@
 
 Each service runs as ``relayrl serve <svc> --config <its section> --port 0 --port-file F`` in its
 own process group, logs to a file, and is stopped by SIGTERM to that group (then SIGKILL after a
-grace period). Every command is returned so the run folder can record it. On Linux a service also
-gets SIGTERM from the kernel when the process that started it dies (``PR_SET_PDEATHSIG``): a
-coordinator killed with SIGKILL or by the OOM killer leaves no services behind, holding memory,
-ports and GPUs (torchrun passes the SIGTERM on to the learner's ranks).
+grace period). Every command is returned so the run folder can record it. A service also ends when the
+process that started it dies (``relayrl.common.lifeline``, given this process's pid): a
+coordinator killed with SIGKILL or by the OOM killer leaves no services behind.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -18,21 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1
-_prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None) if sys.platform == "linux" else None
-
-
-def _exits_with(parent: int):
-    """``preexec_fn`` (between fork and exec, in the child): SIGTERM once ``parent`` is gone.
-    Resolved before the fork: the child only makes the one system call."""
-
-    def arm() -> None:
-        if _prctl is not None:
-            _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-            if os.getppid() != parent:  # it died before the call: nobody would send the signal
-                os._exit(1)
-
-    return arm
+from relayrl.common.lifeline import PARENT_ENV
 
 
 class ServiceProcess:
@@ -65,8 +49,12 @@ class ServiceProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_exits_with(os.getpid()),
-            env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})},
+            env={
+                **os.environ,
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                PARENT_ENV: str(os.getpid()),
+                **(env or {}),
+            },
         )
         self.address: str | None = None
 

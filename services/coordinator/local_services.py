@@ -125,6 +125,10 @@ class LocalServices:
                 self.restarting.add(old.name)
                 try:
                     self._restart(old, n)
+                except Exception:  # (out of memory, a full disk): the next round tries again
+                    # The supervisor must not die of it: the kernel would then end every
+                    # replica this thread started (PR_SET_PDEATHSIG follows the thread).
+                    logger.exception("restarting %s failed", old.name)
                 finally:
                     self.restarting.discard(old.name)
 

@@ -33,7 +33,7 @@ import grpc
 from relayrl.common import logcontext
 from relayrl.common.data.dataset import atomic_write
 from relayrl.common.v1 import common_pb2
-from relayrl.coordinator.batch import Rollout, TrainBatch, nothing, reward_stats, scored_reward, train_batch
+from relayrl.coordinator.batch import Rollout, TrainBatch, nothing, reward_stats, scored, train_batch
 from relayrl.coordinator.clients import GeneratorPool, LearnerClient, RewardPool
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.token_advantages import adaptive_kl_coef
@@ -202,15 +202,13 @@ class Experiment:
             return float("nan")
         batch = [(f"test-{i}", row) for i, row in enumerate(self.test_rows)]
         ro = await self.rollout(batch, evaluation=True, tag=f"eval{self.pos.step}")
-        reward_stats(self.cfg, ro)  # ScoringFailed past services.max_reward_error_fraction
-        timeout_reward = self.cfg.algorithm.timeout_reward
-        scored = [r for _, _, rs in ro.groups for r in rs if scored_reward(r, timeout_reward) is not None]
+        done = [r for r, _ in scored(self.cfg, [r for _, _, rs in ro.groups for r in rs])]
         hits = sum(
             r.status == rw.SCORE_STATUS_OK
             and r.components.get("correctness", 1.0 if r.reward >= 1.0 else 0.0) >= 1.0
-            for r in scored
+            for r in done
         )
-        return hits / len(scored) if scored else float("nan")
+        return hits / len(done) if done else float("nan")
 
     async def evaluate_alone(self, pending: asyncio.Future | None) -> dict[str, float]:
         """``evaluate`` once ``pending`` (the batch in flight) has finished generating: the
@@ -221,12 +219,20 @@ class Experiment:
             await self.unless_stopped(pending)  # its result or error is taken by the next step
         t1 = time.monotonic()
         evaluation = asyncio.ensure_future(self.evaluate())
-        if not await self.unless_stopped(evaluation):  # a stop skips it: nothing to lose
-            evaluation.cancel()
-            # wait: cancelled just above: it ends at its current await (a gRPC call ends at once)
-            await asyncio.gather(evaluation, return_exceptions=True)
-            return {"waited": t1 - t0}
-        return {"eval_accuracy": evaluation.result(), "waited": t1 - t0, "time_eval": time.monotonic() - t1}
+        try:
+            if not await self.unless_stopped(evaluation):  # a stop skips it: nothing to lose
+                return {"waited": t1 - t0}
+            return {
+                "eval_accuracy": evaluation.result(),
+                "waited": t1 - t0,
+                "time_eval": time.monotonic() - t1,
+            }
+        finally:  # stopped, or this task cancelled: never left running behind the run
+            if not evaluation.done():
+                evaluation.cancel()
+                # wait: cancelled just above: it ends at its current await, whose clean-up
+                # awaits nothing (a readmission's undo goes to the background: forget_soon)
+                await asyncio.gather(evaluation, return_exceptions=True)
 
     async def unless_stopped(self, work: asyncio.Future) -> bool:
         """Wait for ``work`` unless a stop is requested first. True when ``work`` is done;
@@ -323,7 +329,12 @@ class Experiment:
         rec = {"step": self.pos.step, "time": time.time(), **values}
         self.records.append(rec)
         if prompt_ids is not None:
-            entry = {"step": self.pos.step, "policy_version": self.version, "prompts": prompt_ids}
+            entry = {
+                "step": self.pos.step,
+                "time": rec["time"],
+                "policy_version": self.version,
+                "prompts": prompt_ids,
+            }
             with open(self.run_dir / "ledger.jsonl", "a") as f:
                 f.write(json.dumps(entry) + "\n")
         with open(self.run_dir / "metrics.jsonl", "a") as f:
@@ -350,7 +361,8 @@ class Experiment:
         finally:
             if self.inflight is not None and not self.inflight.done():
                 self.inflight.cancel()
-                # wait: cancelled just above: it ends at its current await (a gRPC call ends at once)
+                # wait: cancelled just above: it ends at its current await, whose clean-up
+                # awaits nothing (a readmission's undo goes to the background: forget_soon)
                 await asyncio.gather(self.inflight, return_exceptions=True)
         await self.checkpoint()
 
@@ -389,7 +401,7 @@ class Experiment:
         # The actor waits out the critic's warm-up; the critic trains in the same step.
         if self.pos.step < self.cfg.algorithm.critic_warmup:
             samples = []
-        # wait: a readmission holds it only around a registration and a push (calls under deadlines)
+        # wait: a readmission holds it only around a push (a call under a deadline)
         async with self.weights_lock:
             train_metrics = await self._train(samples, tb.critic)
             t1 = time.monotonic()

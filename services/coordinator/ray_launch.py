@@ -374,7 +374,12 @@ class RayServices:
         went unanswered (``RankLiveness``)."""
         live = RankLiveness(self.cfg.ray.dead_after_timeouts)
         while not self._stopping.wait(WATCH_EVERY):
-            dead = live.dead(self._poll(self.ranks))
+            try:
+                polled = self._poll(self.ranks)
+            except Exception:  # an error Ray did not foresee: the watch goes on (a dead watch
+                logger.exception("checking the learner ranks failed")  # would watch nothing)
+                continue
+            dead = live.dead(polled)
             if live.misses and not dead:
                 logger.warning("learner rank(s) slow to answer a health check: %s", live.misses)
             if dead and not self._stopping.is_set():

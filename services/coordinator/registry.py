@@ -116,6 +116,7 @@ class Registry:
         self.experiments.pop(handle.run_id, None)  # a resumed run lists as the newest
         self.experiments[handle.run_id] = handle
         handle.task = asyncio.ensure_future(self._execute(handle, resume_dir is not None, on_record))
+        handle.task.add_done_callback(lambda _task: _stopped_unstarted(handle))
         return handle
 
     async def _execute(self, h: Handle, resume: bool, on_record) -> None:
@@ -154,7 +155,13 @@ class Registry:
                 raise  # not a stop of this run: the process is going away
             # A second stop, or the grace of the first one passed, ended it where it waited.
             h.state, h.cut_short = STOPPED, True
-            h.message = "stopped before its step ended; its last checkpoint is where a resume starts"
+            saved = (h.run_dir / "checkpoints" / "coordinator.json").exists()
+            if h.started_at is None:
+                h.message = "stopped before its first step"
+            elif saved:
+                h.message = "stopped before its step ended; its last checkpoint is where a resume starts"
+            else:
+                h.message = "stopped before any checkpoint was written"
         except (grpc.aio.AioRpcError, RunFailure) as e:
             why = describe(e)
             resumable = (h.run_dir / "checkpoints" / "coordinator.json").exists()
@@ -183,7 +190,10 @@ class Registry:
         h = self.experiments.get(run_id)
         if h is None or h.finished:
             return h
-        if h.stop.is_set():
+        if h.stop.is_set() or h.state == PENDING:  # a second stop, or nothing to save yet: now
+            if h.state == PENDING:
+                h.state = STOPPING
+            h.stop.set()
             h.task.cancel()
             return h
         h.state = STOPPING
@@ -191,3 +201,11 @@ class Registry:
         grace = h.cfg.services.stop_grace_seconds
         h.stop_timer = asyncio.get_running_loop().call_later(grace, h.task.cancel)
         return h
+
+
+def _stopped_unstarted(h: Handle) -> None:
+    """A run stopped before its task took its first step never entered ``_execute``: it still
+    ends STOPPED (nothing was started, so nothing is stopped)."""
+    if not h.finished:
+        h.state, h.cut_short, h.message = STOPPED, True, "stopped before its first step"
+        asyncio.ensure_future(h.notify())

@@ -96,7 +96,9 @@ class Rotation:
         while not (reps := self.healthy()):
             left = deadline - time.monotonic()
             if any(self.coming_back(r.name) for r in self.replicas):
-                left = max(left, self.probe_s)  # its restart is bounded by its own deadline
+                # Its restart is bounded by its own deadline; once over, one more probe finds it.
+                deadline = max(deadline, time.monotonic() + self.probe_s)
+                left = deadline - time.monotonic()
             if left <= 0:
                 raise NoReplicaLeft(
                     f"no {self.kind} replica left; none came back within {self.wait_s:.0f} s "
@@ -165,7 +167,10 @@ class Rotation:
                     )
                     why = f"serving, but not readmitted: {detail}"
             if why:
-                logger.info("%s %s still out of rotation: %s", self.kind, rep.name, why)
+                # A replica that serves but cannot be readmitted is a problem someone must see;
+                # one that is still down is what a probe expects.
+                level = logging.WARNING if why.startswith("serving") else logging.INFO
+                logger.log(level, "%s %s still out of rotation: %s", self.kind, rep.name, why)
                 return False
             old, rep.channel, adopted = rep.channel, channel, True
             # Calls may still run on the old channel (eval and training share a pool): closed

@@ -3,7 +3,8 @@
 
 Ctrl-C or SIGTERM once: the run ends its step, writes a checkpoint, stops the services it
 started and exits 0, within ``services.stop_grace_seconds`` (past it the run is cancelled where
-it waits, and exits 130/143 with its last checkpoint as the resume point). Twice: at once.
+it waits, and exits 130 with its last checkpoint as the resume point). Twice, or while the
+services still start: at once.
 
 The run folder holds ``config.yaml`` (resolved), ``launch.jsonl`` (every command started),
 ``services/*.yaml`` (each service's section), ``logs/``, ``metrics.jsonl`` (one record per step),
@@ -21,7 +22,7 @@ from pathlib import Path
 from relayrl.coordinator.assets import missing_inputs
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.progress import progress
-from relayrl.coordinator.registry import FAILED, STOPPED, Handle, Registry
+from relayrl.coordinator.registry import FAILED, PENDING, STOPPED, Handle, Registry
 from relayrl.coordinator.runfolder import load_records
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ async def _run_and_serve(
     def on_signal(name: str) -> None:
         if h is None:  # not started yet: nothing to save
             main.cancel()
+        elif h.state == PENDING:  # its services still start: nothing to save, stop now
+            print(f"\n{name}: stopping (no step taken yet)", file=sys.stderr, flush=True)
+            registry.request_stop(h.run_id)
         elif not h.stop.is_set():
             print(
                 f"\n{name}: stopping at the end of this step with a checkpoint "
@@ -111,7 +115,12 @@ def run(
     if h.state == STOPPED:
         resume = f"continue with: {prog} --resume {h.run_dir}"
         if h.cut_short:
-            print(f"{prog}: {h.run_id} {h.message}; {resume}", file=sys.stderr, flush=True)
+            saved = (h.run_dir / "checkpoints" / "coordinator.json").exists()
+            print(
+                f"{prog}: {h.run_id} {h.message}" + (f"; {resume}" if saved else ""),
+                file=sys.stderr,
+                flush=True,
+            )
             raise SystemExit(128 + signal.SIGINT)
         print(f"{h.run_id}: stopped at step {h.step} with a checkpoint; {resume}", flush=True)
         return h.run_dir

@@ -15,12 +15,15 @@ the replica stays ready, at its version.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import asdict, dataclass
 
 from relayrl.common import weightsync as ws
 from relayrl.common.rpc import DataLoss, FailedPrecondition, InvalidRequest, Unavailable
 from relayrl.generator.engine import BucketSource, SyncSpec, within
+
+logger = logging.getLogger(__name__)
 
 ENGINE_CALL_S = 60.0
 """Longest wait for a control call into vLLM (pause, resume, cache reset, leaving a group): they
@@ -244,10 +247,12 @@ class WeightSwaps:
             async with self._gate.swap():
                 # End every request in the engine (they continue once the swap is over) and clear
                 # the prefix cache; the engine is idle when this returns.
-                await within(
-                    llm.pause_generation(mode="abort", clear_cache=True), ENGINE_CALL_S, "pausing vLLM"
-                )
                 try:
+                    # Inside the try: a pause that times out may still complete later, and the
+                    # engine must not stay paused while health says SERVING.
+                    await within(
+                        llm.pause_generation(mode="abort", clear_cache=True), ENGINE_CALL_S, "pausing vLLM"
+                    )
                     try:
                         results = await self._rpc(method, args)
                     except Unavailable as e:  # no outcome: how far the load got is unknown
@@ -261,5 +266,9 @@ class WeightSwaps:
                     self._weights_broken = False
                     await within(llm.reset_prefix_cache(), ENGINE_CALL_S, "resetting the prefix cache")
                 finally:
-                    await within(llm.resume_generation(), ENGINE_CALL_S, "resuming vLLM")
+                    try:
+                        await within(llm.resume_generation(), ENGINE_CALL_S, "resuming vLLM")
+                    except Unavailable as e:  # logged, not raised over the load's own error
+                        logger.error("resuming generation after a swap failed: %s", e)
+                        self._weights_broken = True  # not serving what it says: not ready
             return got["nbytes"], time.monotonic() - t0, got["checksums"]

@@ -142,7 +142,10 @@ class LearnerConfig(StrictModel):
     weight_sync_timeout_seconds: float = Field(300.0, gt=0)
     """Limit for generators to join the weight-sync group, for each broadcast, and for each
     replica to answer a push once the learner has sent it (a replica silent longer is named in
-    the push's error; training does not wait for it)."""
+    the push's error; training does not wait for it); the replicas' quick calls (GetStatus,
+    CloseWeightSync) wait at most 30 s or this. The embedded default lowers it to a third of
+    the coordinator's ``services.deadline_seconds`` when the two together would not fit in it
+    (the coordinator's call would time out first and name the learner, not the generator)."""
     heartbeat_timeout_seconds: float = Field(120.0, ge=1, le=86400)
     """Longest silence between rank 0 and the other ranks (rank 0 beats every tenth of it, on a
     group of its own): a follower that does not hear rank 0 for this long exits with status 1, and

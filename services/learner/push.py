@@ -13,6 +13,7 @@ group's timeout (minutes), and can join the next group.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -123,3 +124,41 @@ def _stage(i: int, b: ws.Bucket, item: list[torch.Tensor] | torch.Tensor, sinks:
     if out is None:
         return ws.pack(b, item, device=sinks.groups[0].device)
     return ws.pack(b, item, out=out)
+
+
+async def answers(
+    calls: dict[str, asyncio.Future],
+    version: int,
+    sums: list[int],
+    current: set[str],
+    transport_only: bool,
+    timeout_s: float,
+) -> tuple[dict[str, BaseException | str], dict[str, str], dict[str, int]]:
+    """The replicas' answers to one push, checked against what was sent: each must carry the
+    version pushed and, per bucket, the checksum of what was sent. The learner's part is over, so
+    a replica only has its loading left: one silent for ``timeout_s`` is given up (its call
+    cancelled). Returns the failed (an error, or why as a string), the corrupted (why) and the
+    versions the others now hold."""
+    if calls:
+        await asyncio.wait(calls.values(), timeout=timeout_s)
+    failed: dict[str, BaseException | str] = {}
+    corrupted: dict[str, str] = {}
+    loaded: dict[str, int] = {}
+    for r in sorted(calls):
+        c = calls[r]
+        if not c.done():
+            c.cancel()
+            failed[r] = f"no answer within {timeout_s:g} s of the last bucket (weight_sync_timeout_seconds)"
+            continue
+        a = c.exception() if not c.cancelled() else asyncio.CancelledError("cancelled")
+        if a is not None:
+            failed[r] = a
+            continue
+        a = c.result()
+        if list(a.bucket_checksums) != sums:
+            corrupted[r] = "bucket checksums differ from what was sent"
+        elif not transport_only and a.version != version:
+            corrupted[r] = f"it answered version {a.version}, not {version}"
+        elif not transport_only and r not in current:
+            loaded[r] = a.version
+    return failed, corrupted, loaded

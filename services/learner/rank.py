@@ -11,6 +11,7 @@ import socket
 
 from relayrl.common import config as cfg_mod
 from relayrl.common import logcontext
+from relayrl.common.lifeline import exit_with_parent
 from relayrl.learner.config import LearnerConfig
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="resolved learner config (YAML)")
     ap.add_argument("--port-file")
     args = ap.parse_args(argv)
+    exit_with_parent()  # a rank started by a Ray actor ends with it (under torchrun: no-op)
     logcontext.configure(logging.INFO)
     cfg = cfg_mod.load(LearnerConfig, args.config)
     backend = init_distributed()

@@ -157,10 +157,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
 
     @map_errors
     async def TrainStep(self, request, context):
-        left = context.time_remaining()
-        deadline = time.monotonic() + left if left is not None else None
         fingerprint = hashlib.sha256(request.SerializeToString(deterministic=True)).digest()
-        return await self._exclusive(self._train, request, fingerprint, deadline=deadline)
+        return await self._exclusive(self._train, request, fingerprint, deadline=_deadline(context))
 
     @map_errors
     async def RegisterGenerator(self, request, context):
@@ -273,8 +271,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         )
 
     async def _score(self, request, what: str, context):
-        left = context.time_remaining()
-        deadline = time.monotonic() + left if left is not None else None
+        deadline = _deadline(context)
         t0 = time.monotonic()
         with logcontext.bound(run_id=request.run_id or None):
             out = await self._exclusive(self.core.score, request.sequences, what, deadline=deadline)

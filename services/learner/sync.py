@@ -43,7 +43,14 @@ import grpc
 from relayrl.common import logcontext
 from relayrl.common import weightsync as ws
 from relayrl.common.placement import gpu_uuid, host_id
-from relayrl.common.rpc import DataLoss, DeadlineExceeded, FailedPrecondition, ServiceError, Unavailable
+from relayrl.common.rpc import (
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    ServiceError,
+    Unavailable,
+    to_the_end,
+)
 from relayrl.common.security import client_channel
 from relayrl.common.serving import ClientSecurity
 from relayrl.common.shm import Segment
@@ -51,11 +58,12 @@ from relayrl.common.tensors import plan_to_proto, shared_to_proto
 from relayrl.generator.v1 import generator_pb2 as g
 from relayrl.generator.v1 import generator_pb2_grpc as gg
 from relayrl.learner import groupform
-from relayrl.learner.push import Sinks, WeightGroup
+from relayrl.learner.push import Sinks, WeightGroup, answers
 from relayrl.learner.staging import Staging
 from relayrl.learner.transports import GROUP_BACKEND, Place, choose
 
 logger = logging.getLogger(__name__)
+CONTROL_RPC_S = 30.0  # at most, for the replicas' quick calls (GetStatus, CloseWeightSync)
 
 _ENUM = {
     "gloo": g.WEIGHT_TRANSPORT_GLOO,
@@ -94,6 +102,9 @@ class WeightSync:
         self.device = device  # the learner's: "cpu" or "cuda:<i>"
         self.dtype = dtype
         self.timeout_s = timeout_s
+        # GetStatus and CloseWeightSync answer in milliseconds from a live replica: a hung one
+        # must not hold a push (or the coordinator's call for it) longer than this.
+        self.control_s = min(CONTROL_RPC_S, timeout_s)
         self.deadline_s = deadline_s
         self._metas = metas
         self.security = security  # how rank 0 reaches the generators (TLS, token)
@@ -127,7 +138,7 @@ class WeightSync:
             try:
                 return await self._open(replica_id)
             except BaseException:
-                await _to_its_end(self._unregister(replica_id))
+                await to_the_end(self._unregister(replica_id), stay=True)
                 raise
 
     async def unregister(self, replica_id: str, deadline: float | None = None) -> None:
@@ -135,7 +146,7 @@ class WeightSync:
         ``deadline`` passed before its turn, and not left half-done when its caller goes."""
         async with self.lock:  # wait: as for register
             _check(deadline, "unregistration")
-            await _to_its_end(self._unregister(replica_id))
+            await to_the_end(self._unregister(replica_id), stay=True)
 
     async def _unregister(self, replica_id: str) -> None:
         transport = self.transports.pop(replica_id, None)
@@ -169,7 +180,7 @@ class WeightSync:
     # -- opening a transport -----------------------------------------------------------------
     async def _open(self, rid: str) -> str:
         try:
-            st = await self._stub(rid).GetStatus(g.GetStatusRequest(), timeout=30)
+            st = await self._stub(rid).GetStatus(g.GetStatusRequest(), timeout=self.control_s)
         except grpc.aio.AioRpcError as e:
             raise Unavailable(f"generator {rid} at {self.addresses[rid]} is unreachable: {_why(e)}") from None
         theirs = Place(st.host_id or f"unknown:{rid}", st.device or "cpu", tuple(st.gpu_uuids))
@@ -181,7 +192,7 @@ class WeightSync:
                 if transport == "nccl" and theirs.device != "cuda":
                     # It would refuse to join, and the group's other members would wait for it.
                     raise FailedPrecondition(f"generator {rid} runs on the CPU: no GPU for NCCL")
-                await self._stub(rid).CloseWeightSync(g.CloseWeightSyncRequest(), timeout=30)
+                await self._stub(rid).CloseWeightSync(g.CloseWeightSyncRequest(), timeout=self.control_s)
                 self.transports[rid] = transport
                 if transport in GROUP_BACKEND:
                     await self._ensure_group(GROUP_BACKEND[transport])
@@ -232,7 +243,10 @@ class WeightSync:
     async def _close_syncs(self, rids: list[str]) -> None:
         """CloseWeightSync on each of ``rids`` (a no-op where none is open)."""
         closed = await asyncio.gather(
-            *(self._stub(r).CloseWeightSync(g.CloseWeightSyncRequest(), timeout=30) for r in rids),
+            *(
+                self._stub(r).CloseWeightSync(g.CloseWeightSyncRequest(), timeout=self.control_s)
+                for r in rids
+            ),
             return_exceptions=True,
         )
         for r, e in zip(rids, closed, strict=True):
@@ -252,7 +266,8 @@ class WeightSync:
         # a close whose caller was cancelled) is closed first: it would refuse to join otherwise.
         await self._close_syncs(rids)
         statuses = await asyncio.gather(
-            *(self._stub(r).GetStatus(g.GetStatusRequest(), timeout=30) for r in rids), return_exceptions=True
+            *(self._stub(r).GetStatus(g.GetStatusRequest(), timeout=self.control_s) for r in rids),
+            return_exceptions=True,
         )
         ranks, nxt = {}, 1
         for r, st in zip(rids, statuses, strict=True):
@@ -299,11 +314,38 @@ class WeightSync:
         replica keeps its record (the push fails on it anyway)."""
         rids = sorted(self.addresses)
         statuses = await asyncio.gather(
-            *(self._stub(r).GetStatus(g.GetStatusRequest(), timeout=30) for r in rids), return_exceptions=True
+            *(self._stub(r).GetStatus(g.GetStatusRequest(), timeout=self.control_s) for r in rids),
+            return_exceptions=True,
         )
+        closed = []
         for r, st in zip(rids, statuses, strict=True):
             if not isinstance(st, BaseException):
                 self.versions[r] = st.policy_version
+                if not st.weight_sync_open and r in self.transports:
+                    closed.append(r)
+        for r in closed:
+            await self._reopen(r)
+
+    async def _reopen(self, rid: str) -> None:
+        """A member whose weight sync is closed: a process restarted at its address (a crash
+        the coordinator has not seen yet: it holds its initial weights), or a member of a group
+        that broke. Opened again, so this push reaches it like the others."""
+        transport = self.transports[rid]
+        if transport in GROUP_BACKEND:
+            group = self.groups.get(GROUP_BACKEND[transport])
+            if group is not None and rid in group.members:
+                logger.warning(
+                    "generator %s left its %s group (restarted?): the group re-forms", rid, transport
+                )
+                await self._close_group(GROUP_BACKEND[transport])  # re-formed with it by the push
+            return
+        logger.warning("generator %s has no %s sync open (restarted?): opening it again", rid, transport)
+        try:
+            await self._open(rid)
+        except (ServiceError, grpc.aio.AioRpcError) as e:
+            raise Unavailable(
+                f"generator {rid} lost its weight sync and it cannot be opened again: {_why(e)}"
+            ) from e
 
     def close(self) -> None:
         """Free the staging memory (the learner is stopping)."""
@@ -414,34 +456,15 @@ class WeightSync:
         current: set[str],
         transport_only: bool,
     ) -> None:
-        """Check every replica's answer against what was sent: its version and each bucket's
-        checksum. The learner's part is over, so a replica only has its loading left: one silent
-        for ``timeout_s`` is given up and named. Failed replicas leave their group (it re-forms)."""
-        if calls:
-            await asyncio.wait(calls.values(), timeout=self.timeout_s)
-        failed: dict[str, BaseException | str] = {}
-        corrupted: dict[str, str] = {}
-        for r in sorted(calls):
-            c = calls[r]
-            if not c.done():
-                c.cancel()
-                failed[r] = (
-                    f"no answer within {self.timeout_s:g} s of the last bucket (weight_sync_timeout_seconds)"
-                )
-                if self.transports.get(r) in ("shm", "ipc"):
-                    self.staging.renew()  # it may still be reading this push's memory
-                continue
-            a = c.exception() if not c.cancelled() else asyncio.CancelledError("cancelled")
-            if a is not None:
-                failed[r] = a
-                continue
-            a = c.result()
-            if list(a.bucket_checksums) != sums:
-                corrupted[r] = "bucket checksums differ from what was sent"
-            elif not transport_only and a.version != version:
-                corrupted[r] = f"it answered version {a.version}, not {version}"
-            elif not transport_only and r not in current:
-                self.versions[r] = a.version
+        """Check every replica's answer against what was sent (``push.answers``). Failed replicas
+        leave their group (it re-forms); a silent one may still read this push's staging memory,
+        which the next push does not write again."""
+        failed, corrupted, loaded = await answers(
+            calls, version, sums, current, transport_only, self.timeout_s
+        )
+        self.versions.update(loaded)
+        if any(isinstance(failed[r], str) and self.transports.get(r) in ("shm", "ipc") for r in failed):
+            self.staging.renew()
         for r in [*failed, *corrupted]:
             transport = self.transports.get(r)
             if transport in GROUP_BACKEND:  # its group re-forms at the next push
@@ -465,18 +488,6 @@ def _check(deadline: float | None, what: str) -> None:
         raise DeadlineExceeded(
             f"the caller's deadline passed before the {what} could start; nothing was done"
         )
-
-
-async def _to_its_end(work: Awaitable[None]) -> None:
-    """Await ``work`` to its end even if the caller is cancelled meanwhile (then re-raise): a
-    membership change stopped half-way would leave groups and records disagreeing."""
-    task = asyncio.ensure_future(work)
-    try:
-        await asyncio.shield(task)  # wait: a membership change; its RPCs have timeouts
-    except asyncio.CancelledError:
-        if not task.done():
-            await task  # wait: as above
-        raise
 
 
 def _why(e: BaseException) -> str:

@@ -4,7 +4,7 @@ random point: a generator, the reward service, a learner rank, the coordinator i
 learner while it writes a checkpoint.
 
 Every case must end in one of two ways only:
-- the run goes on (it records steps again), or
+- the run goes on (it records three more steps, the last needing every service), or
 - it stops within ``bound(case)`` seconds, exits non-zero with a message naming the service
   that failed, and leaves no service process behind; then ``relayrl run --resume`` continues it.
 
@@ -214,7 +214,7 @@ def _inject(case: Case, run: Run, run_dir: Path) -> float:
 
 
 def _settle(case: Case, run: Run, run_dir: Path, at: float, services: list[psutil.Process]) -> str:
-    """Watch what follows the fault: "on" (2 more steps) or "stop" (checked: bounded, named,
+    """Watch what follows the fault: "on" (3 more steps) or "stop" (checked: bounded, named,
     nothing left running)."""
     limit = bound(case.target, case.action)
     while True:
@@ -230,7 +230,9 @@ def _settle(case: Case, run: Run, run_dir: Path, at: float, services: list[psuti
             _gone, alive = psutil.wait_procs(services, timeout=30)  # none left behind
             assert not alive, f"{case}: left running: {[_cmd(p) for p in alive]}"
             return "stop"
-        if _wait_steps(run, run_dir, 2, timeout=limit + 60):
+        # Three steps: with max_staleness 1 one batch may have been generated and scored before
+        # the fault; the third step needs every service after it.
+        if _wait_steps(run, run_dir, 3, timeout=limit + 60):
             return "on"
 
 

@@ -76,9 +76,9 @@ async def coordinator(root: Path, **config):
             root=root,
         )
     finally:
-        for h in registry.experiments.values():
-            if h.task is not None:
-                await asyncio.wait_for(h.task, 30)
+        tasks = [h.task for h in registry.experiments.values() if h.task is not None]
+        if tasks:  # a run stopped before its first step ends as a cancelled task
+            await asyncio.wait(tasks, timeout=30)
         await channel.close()
         await handle.stop(0)
 
@@ -481,7 +481,7 @@ async def test_a_run_stopped_before_its_task_ran_never_starts_its_services(tmp_p
     h = registry.start(cfg)
     registry.request_stop(h.run_id)  # nothing awaited since the start: the run's task has not run yet
     assert h.state == reg.STOPPING
-    await asyncio.wait_for(h.task, 30)
+    await asyncio.wait([h.task], timeout=30)
     assert (h.state, Services.started, h.started_at) == (reg.STOPPED, 0, None)
 
 

@@ -52,7 +52,8 @@ def test_services_are_stopped_together_not_one_after_another(tmp_path):
 
 def test_services_end_when_the_process_that_started_them_is_killed(tmp_path):
     """A coordinator killed with SIGKILL (or by the OOM killer) runs no clean-up: its services
-    must not live on as orphans holding memory, ports and GPUs."""
+    must not live on as orphans holding memory, ports and GPUs. (A service asks for it first
+    thing: ``relayrl serve`` and a learner rank call ``exit_with_parent``.)"""
     import os
     import signal
     import subprocess
@@ -64,7 +65,8 @@ def test_services_end_when_the_process_that_started_them_is_killed(tmp_path):
         import sys, time
         from pathlib import Path
         from relayrl.coordinator.launcher import ServiceProcess
-        p = ServiceProcess("svc", [], Path({str(tmp_path)!r}), entry=[sys.executable, "-c", "import time; time.sleep(600)"])
+        service = "from relayrl.common.lifeline import exit_with_parent; exit_with_parent(); import time; time.sleep(600)"
+        p = ServiceProcess("svc", [], Path({str(tmp_path)!r}), entry=[sys.executable, "-c", service])
         print(p.proc.pid, flush=True)
         time.sleep(600)
         """

@@ -66,7 +66,7 @@ def ranks():
 
 
 def test_a_clean_stop_ends_both_ranks_with_status_0(ranks):
-    rank0, rank1 = ranks(3.0)
+    rank0, rank1 = ranks(20.0)  # long: a loaded machine's pause must not read as a lost rank
     rank0.stdin.write("stop\n")
     rank0.stdin.flush()
     assert finish(rank0)[0] == 0 and finish(rank1)[0] == 0

@@ -340,3 +340,23 @@ async def test_members_that_joined_beside_a_refusing_one_are_not_left_waiting(tm
         resp = await stub.PushWeights(lp.PushWeightsRequest(version=1), timeout=60)
         assert list(resp.replica_ids) == ["gen-0"] and await registered(stub) == ["gen-0"]
         assert all(torch.equal(r0.params[n], t) for n, t in weights(1.0).items())
+
+
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+async def test_a_replica_restarted_between_two_pushes_is_opened_again_not_a_failed_push(tmp_path, transport):
+    """A generator killed and started again at its address while the learner trains (its
+    supervisor was quick; no Generate has touched it yet): the learner still has it registered,
+    but the new process has no weight sync open. Its next push must reopen it and bring it to
+    the current version, not fail the run with "weight sync is not open"."""
+    sync = weight_sync(transport, timeout_s=30)
+    async with replica(tmp_path, "gen-0") as gen, learner(tmp_path, sync) as stub:
+        await stub.RegisterGenerator(lp.RegisterGeneratorRequest(replica_id="gen-0", address=gen.address))
+        await stub.TrainStep(lp.TrainStepRequest(step=1), timeout=30)
+        await stub.PushWeights(lp.PushWeightsRequest(version=1), timeout=60)
+        await gen.stub.CloseWeightSync(g.CloseWeightSyncRequest())  # what a new process looks like
+        await stub.TrainStep(lp.TrainStepRequest(step=2), timeout=30)
+        pushed = await stub.PushWeights(lp.PushWeightsRequest(version=2), timeout=60)
+        assert list(pushed.replica_ids) == ["gen-0"]
+        st = await gen.stub.GetStatus(g.GetStatusRequest())
+        assert (st.ready, st.policy_version, st.weight_sync_open) == (True, 2, True)
+        assert all(torch.equal(gen.params[n], t) for n, t in weights(2.0).items())

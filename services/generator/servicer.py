@@ -204,6 +204,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             meta = tensor_meta(t.name, t.dtype, t.shape)
             if t.name in done:
                 raise InvalidRequest(f"{t.name}: sent twice")
+            if t.name not in partial:  # its first chunk: one of the model's, or refused now
+                self.engine.check_tensor(meta)
             first, buf = partial.setdefault(t.name, (meta, bytearray()))
             if first != meta:
                 raise InvalidRequest(f"{t.name}: dtype or shape changed between chunks")

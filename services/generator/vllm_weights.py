@@ -187,6 +187,13 @@ class WeightSwaps:
             raise InvalidRequest("weight plan does not match the model: " + "; ".join(problems))
         return await self._swap_in(version, method, (plan, *where, True))
 
+    def check_tensor(self, meta: ws.TensorMeta) -> None:
+        """Refuse a tensor this model does not hold, or one of another shape or kind, before its
+        bytes arrive: LoadWeights buffers a stream, which must not grow on names it will refuse."""
+        expected = {meta.name: self._expected[meta.name]} if meta.name in self._expected else {}
+        if problems := ws.check_plan([meta], expected, self._optional, self._kinds):
+            raise InvalidRequest("; ".join(problems))
+
     async def load_weights(
         self, version: int, items: list[tuple[str, str, list[int], bytes]]
     ) -> tuple[int, float, list[int]]:

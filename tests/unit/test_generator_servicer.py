@@ -113,6 +113,10 @@ class FakeEngine:
     async def close_weight_sync(self):
         pass
 
+    def check_tensor(self, meta):
+        if meta.name.startswith("not-"):
+            raise InvalidRequest(f"{meta.name}: not a tensor of this model")
+
     async def load_weights(self, version, items):
         self.loaded.append({name: (dtype, shape, data) for name, dtype, shape, data in items})
         return await self._swap(version, [], sum(len(d) for *_, d in items))
@@ -420,6 +424,19 @@ async def test_load_weights_reassembles_chunked_tensors(svc):
 async def test_bad_load_weights_stream_is_invalid_argument(svc, stream, problem):
     err = await error_of(svc.stub.LoadWeights(iter(stream)))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and problem in err.details()
+    assert not svc.engine.loaded
+
+
+async def test_a_tensor_the_model_does_not_hold_is_refused_at_its_first_chunk(svc):
+    """LoadWeights buffers a stream: a client sending names the model does not hold must be
+    stopped at once, not after it has filled the replica's memory."""
+
+    async def stream():
+        yield chunk("not-a-weight", W[:8], version=1)
+        await asyncio.Event().wait()  # the rest would never end
+
+    err = await error_of(asyncio.wait_for(svc.stub.LoadWeights(stream()), 10))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "not-a-weight" in err.details()
     assert not svc.engine.loaded
 
 

@@ -416,19 +416,33 @@ class RayServices:
         with self._lock:
             hosts, self.hosts = self.hosts, {}
             pgs, self.pgs = self.pgs, []
-        for h in hosts.values():
-            try:
-                ray.kill(h)
-            except Exception:  # already gone
-                pass
-        for _g, pg in pgs:
-            remove_placement_group(pg)
-        for _g, pg in pgs:
-            state = placement_group_table(pg).get("state")
-            for entry in self.record["placement_groups"]:
-                if entry["id"] == pg.id.hex():
-                    entry["state"] = state
-        if pgs:
+
+        def remove() -> None:
+            for h in hosts.values():
+                try:
+                    ray.kill(h)
+                except Exception:  # already gone
+                    pass
+            for _g, pg in pgs:
+                remove_placement_group(pg)
+            for _g, pg in pgs:
+                state = placement_group_table(pg).get("state")
+                for entry in self.record["placement_groups"]:
+                    if entry["id"] == pg.id.hex():
+                        entry["state"] = state
+
+        # Each is a call to Ray's control store, which can hang with it: a teardown ends all
+        # the same, saying what it could not confirm.
+        done = threading.Thread(target=remove, name="ray-teardown", daemon=True)
+        done.start()
+        done.join(self.cfg.ray.call_timeout_seconds)
+        if done.is_alive():
+            logger.error(
+                "ray: actors and placement groups not confirmed removed within %gs",
+                self.cfg.ray.call_timeout_seconds,
+            )
+            print("ray: teardown not confirmed (Ray's control store did not answer)", flush=True)
+        elif pgs:
             self._write_record()
             print("ray: services stopped, placement groups removed", flush=True)
 

@@ -8,8 +8,11 @@ up to two minutes between reconnects); once it answers SERVING, ``readmit`` runs
 and take its current weights, so the replica never samples with an older policy) and the replica
 is back. A replica that is up but not ready only because it waits for weights (a generator whose
 load was broken by a peer that died mid-broadcast: ``admit_unready`` says which) is readmitted too:
-the readmission's push is what makes it ready, so waiting for SERVING first would wait forever. Callers that find no replica in rotation wait for one up to ``wait_s`` before
-``NoReplicaLeft``: a run with one generator outlives that generator's restart instead of failing.
+the readmission's push is what makes it ready, so waiting for SERVING first would wait forever.
+Probes and readmissions run in the background (a readmission takes as long as a registration and
+a weight push): callers with a replica in rotation never wait for them. Callers that find no
+replica in rotation wait for one up to ``wait_s`` before ``NoReplicaLeft``: a run with one
+generator outlives that generator's restart instead of failing.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ class Rotation:
         self.wait_s = wait_s
         self.replicas = [Replica(n, a, client_channel(a, security, OPTIONS)) for n, a in replicas.items()]
         self._next_probe: dict[str, float] = {}
-        self._lock = asyncio.Lock()  # one probe round at a time (eval and training share a pool)
+        self._probing: dict[str, asyncio.Task] = {}  # name -> its probe (and readmission) under way
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.healthy]
@@ -89,9 +92,10 @@ class Rotation:
                 self.on_down(rep.name)
 
     async def available(self) -> list[Replica]:
-        """The replicas in rotation, after probing those out of it whose probe is due; when
-        none is in, probe every ``probe_s`` until one is, for at most ``wait_s``."""
-        await self.rejoin()
+        """The replicas in rotation (the probes of those out of it that are due start in the
+        background); when none is in, wait for one, probing every ``probe_s``, for at most
+        ``wait_s``."""
+        self.rejoin()
         deadline = time.monotonic() + self.wait_s
         while not (reps := self.healthy()):
             left = deadline - time.monotonic()
@@ -99,26 +103,42 @@ class Rotation:
                 # Its restart is bounded by its own deadline; once over, one more probe finds it.
                 deadline = max(deadline, time.monotonic() + self.probe_s)
                 left = deadline - time.monotonic()
-            if left <= 0:
+            probing = list(self._probing.values())
+            if left <= 0 and not probing:  # a probe under way may still bring one back: its answer
                 raise NoReplicaLeft(
                     f"no {self.kind} replica left; none came back within {self.wait_s:.0f} s "
                     f"(services.replica_wait_seconds)"
                 )
-            await asyncio.sleep(min(self.probe_s, left))
-            await self.rejoin()
+            if probing:  # asyncio.wait: a waiter that leaves does not cancel a probe for the others
+                await asyncio.wait(probing, timeout=self.probe_s)
+            else:
+                await asyncio.sleep(min(self.probe_s, left))
+            self.rejoin()
         return reps
 
-    async def rejoin(self) -> None:
-        # wait: held only around probes (PROBE_TIMEOUT_S) and readmissions (learner calls, each
-        # under services.deadline_seconds)
-        async with self._lock:
-            for rep in self.replicas:
-                if rep.healthy or time.monotonic() < self._next_probe.get(rep.name, 0.0):
-                    continue
-                self._next_probe[rep.name] = time.monotonic() + self.probe_s
-                if await self._recovered(rep):
-                    rep.healthy = True
-                    logger.warning("%s %s (%s) back in rotation", self.kind, rep.name, rep.address)
+    def rejoin(self) -> None:
+        """Start the probe of each replica out of rotation whose probe is due and is not being
+        probed already."""
+        now = time.monotonic()
+        for rep in self.replicas:
+            if rep.healthy or rep.name in self._probing or now < self._next_probe.get(rep.name, 0.0):
+                continue
+            self._next_probe[rep.name] = now + self.probe_s
+            task = asyncio.ensure_future(self._probe(rep))
+            self._probing[rep.name] = task
+            task.add_done_callback(lambda _t, name=rep.name: self._probing.pop(name, None))
+
+    async def probed(self) -> None:
+        """Start the probes that are due and wait for every probe under way to end."""
+        self.rejoin()
+        # wait: each probe is bounded (PROBE_TIMEOUT_S, then a readmission under its deadlines)
+        await asyncio.wait(list(self._probing.values())) if self._probing else None
+
+    async def _probe(self, rep: Replica) -> None:
+        if await self._recovered(rep):
+            rep.healthy = True
+            logger.warning("%s %s (%s) back in rotation", self.kind, rep.name, rep.address)
+        self._next_probe[rep.name] = time.monotonic() + self.probe_s  # from its end, not start
 
     async def drop_unserving(self) -> list[str]:
         """Probe the replicas in rotation; those that do not answer at all leave it. Returns
@@ -184,6 +204,9 @@ class Rotation:
                 await channel.close()
 
     async def close(self) -> None:
+        for task in list(self._probing.values()):
+            task.cancel()  # the run is over: no replica is taken back
+        await asyncio.gather(*self._probing.values(), return_exceptions=True)  # wait: just cancelled
         for r in self.replicas:
             await r.channel.close()
         for retire, old in list(self._retiring.items()):

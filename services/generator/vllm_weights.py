@@ -176,16 +176,11 @@ class WeightSwaps:
         problems = ws.check_plan(
             [t for b in buckets for t in b.tensors], self._expected, self._optional, self._kinds
         )
-        stale = version <= self.version
-        if problems or stale:
-            if self._sync.transport in (
-                "gloo",
-                "nccl",
-            ):  # drain the broadcast: the learner must not be left blocked
+        if problems:
+            if self._sync.transport in ("gloo", "nccl"):  # drain: the learner must not be left blocked
                 self._answer(await self._rpc(method, (plan, *where, False)), version, loading=False)
-            self._check_version(version)
             raise InvalidRequest("weight plan does not match the model: " + "; ".join(problems))
-        return await self._swap_in(version, method, (plan, *where, True))
+        return await self._swap_in(version, method, (plan, *where, True), drain=(plan, *where, False))
 
     def check_tensor(self, meta: ws.TensorMeta) -> None:
         """Refuse a tensor this model does not hold, or one of another shape or kind, before its
@@ -244,10 +239,22 @@ class WeightSwaps:
         suffix = "; weights unchanged" if loading else ""
         raise _STATUS.get(got["kind"], Unavailable)(got["error"] + suffix)
 
-    async def _swap_in(self, version: int, method: str, args: tuple) -> tuple[int, float, list[int]]:
+    async def _swap_in(
+        self, version: int, method: str, args: tuple, drain: tuple | None = None
+    ) -> tuple[int, float, list[int]]:
+        """Load ``version`` with ``method(*args)``. One that is not newer than what the replica
+        holds once the swaps before it are done (``drain``: the arguments that take the buckets
+        without loading them) is taken and answered as done when it is the same version (a
+        retried push that the first one reached after all), refused when older."""
         # wait: one swap at a time, each bounded (control calls ENGINE_CALL_S; the load by its
         # transport's timeouts inside the workers, or the engine's death)
         async with self._swap_lock:
+            if drain is not None and version <= self.version:
+                t0 = time.monotonic()
+                got = self._answer(await self._rpc(method, drain), version, loading=False)
+                if version < self.version:  # taken all the same: nobody is left blocked
+                    raise FailedPrecondition(f"version {version} is older than the replica's {self.version}")
+                return got["nbytes"], time.monotonic() - t0, got["checksums"]
             self._check_version(version)
             t0 = time.monotonic()
             llm = self._llm

@@ -72,14 +72,17 @@ async def test_a_replica_back_at_its_address_is_readmitted_before_it_takes_work(
         assert downs == ["gen-1"] and [r.name for r in rot.healthy()] == ["gen-0"]
         await b.stop()
         await asyncio.sleep(0.06)
+        await rot.probed()
         assert [r.name for r in await rot.available()] == ["gen-0"]  # probed: still gone
         assert admitted == []
         await b.start(serving=False)  # up, model still loading
         await asyncio.sleep(0.06)
+        await rot.probed()
         assert [r.name for r in await rot.available()] == ["gen-0"]
         assert admitted == []
         await b.serving(True)
         await asyncio.sleep(0.06)
+        await rot.probed()
         assert [r.name for r in await rot.available()] == ["gen-0", "gen-1"]
         assert admitted == [("gen-1", b.address)]
         # its new channel reaches the new process
@@ -220,7 +223,9 @@ async def test_only_a_replica_that_does_not_answer_is_dropped_and_any_readmissio
         assert [r.name for r in rot.healthy()] == ["gen-0"]
         await gone.start()
         await asyncio.sleep(0.06)
-        assert [r.name for r in await rot.available()] == ["gen-0"] and calls == ["gen-1"]
+        assert [r.name for r in await rot.available()] == ["gen-0"]  # its probe: in the background
+        await rot.probed()
+        assert calls == ["gen-1"] and [r.name for r in rot.healthy()] == ["gen-0"]
     finally:
         await rot.close()
         await swapping.stop()

@@ -79,6 +79,8 @@ class Rotation:
         self.replicas = [Replica(n, a, client_channel(a, security, OPTIONS)) for n, a in replicas.items()]
         self._next_probe: dict[str, float] = {}
         self._probing: dict[str, asyncio.Task] = {}  # name -> its probe (and readmission) under way
+        self._ticker: asyncio.TimerHandle | None = None  # the next probe round while one is out
+        self._closed = False
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.healthy]
@@ -90,6 +92,20 @@ class Rotation:
             logger.warning("%s %s (%s) taken out of rotation: %s", self.kind, rep.name, rep.address, why)
             if self.on_down:
                 self.on_down(rep.name)
+            self._tick_soon()
+
+    def _tick_soon(self) -> None:
+        """Probe on a clock of its own while a replica is out of rotation: were probes started
+        only when a caller asks for replicas, a replica marked down just after the last ask of a
+        run's final steps would never be probed (its probe falls due between two asks)."""
+        if self._ticker is None and not self._closed:
+            self._ticker = asyncio.get_running_loop().call_later(self.probe_s, self._tick)
+
+    def _tick(self) -> None:
+        self._ticker = None
+        self.rejoin()
+        if any(not r.healthy for r in self.replicas):
+            self._tick_soon()
 
     async def available(self) -> list[Replica]:
         """The replicas in rotation (the probes of those out of it that are due start in the
@@ -121,6 +137,8 @@ class Rotation:
         probed already."""
         now = time.monotonic()
         for rep in self.replicas:
+            if self._closed:
+                return
             if rep.healthy or rep.name in self._probing or now < self._next_probe.get(rep.name, 0.0):
                 continue
             self._next_probe[rep.name] = now + self.probe_s
@@ -204,6 +222,9 @@ class Rotation:
                 await channel.close()
 
     async def close(self) -> None:
+        self._closed = True
+        if self._ticker is not None:
+            self._ticker.cancel()
         for task in list(self._probing.values()):
             task.cancel()  # the run is over: no replica is taken back
         await asyncio.gather(*self._probing.values(), return_exceptions=True)  # wait: just cancelled

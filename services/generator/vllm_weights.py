@@ -15,6 +15,7 @@ the replica stays ready, at its version.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -30,6 +31,8 @@ ENGINE_CALL_S = 60.0
 take milliseconds, or never end when the EngineCore is dead (``died`` reports that)."""
 
 _STATUS = {"invalid": InvalidRequest, "data_loss": DataLoss, "unavailable": Unavailable}
+_OPENINGS = itertools.count(1)
+"""Ids of group openings in this process: a receive names the group its push was sent on."""
 
 
 @dataclass
@@ -40,6 +43,7 @@ class _Sync:
     rank: int = 0
     num_ranks: int = 0
     timeout_s: float = 300.0  # how long a pipelined shared-memory push may wait for a bucket
+    opening: int = 0  # a group's id in the workers: a receive takes only that group's broadcast
 
 
 def combine(results: list[dict]) -> dict:
@@ -103,14 +107,15 @@ class WeightSwaps:
             spec.transport,
             spec.timeout_s,
         )
-        join = self._llm.collective_rpc("relayrl_open_group", args=(*args, spec.group_name))
+        opening = next(_OPENINGS)
+        join = self._llm.collective_rpc("relayrl_open_group", args=(*args, spec.group_name, opening))
         try:  # the worker's join ends at the group's timeout; past that (and a margin) vLLM is stuck
             await within(join, spec.timeout_s + ENGINE_CALL_S, "joining the group")
         except Exception as e:  # the request was checked: what is left is the rendezvous failing
             raise Unavailable(
                 f"could not join the {spec.transport} weight-sync group at {spec.master_addr}:{spec.master_port}: {e}"
             ) from None
-        self._sync = _Sync(spec.transport, spec.rank, self._num_workers)
+        self._sync = _Sync(spec.transport, spec.rank, self._num_workers, opening=opening)
         return spec.rank, self._num_workers
 
     async def close_weight_sync(self) -> None:
@@ -137,7 +142,9 @@ class WeightSwaps:
         if (transport in ("gloo", "nccl")) != (source is None):
             raise InvalidRequest(f"the open weight sync is {transport}: buckets must come over it")
         if source is None:
-            return "relayrl_receive", ()
+            # Named by the group open now: the receive may run later (behind a swap or vLLM's
+            # pause), after the learner gave this push up and opened a new group for another.
+            return "relayrl_receive", (self._sync.opening,)
         if transport == "shm" and source.shm_segment:
             if len(source.shm_offsets) != len(buckets):
                 raise InvalidRequest(f"{len(source.shm_offsets)} shm offsets for {len(buckets)} buckets")

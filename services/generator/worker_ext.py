@@ -106,8 +106,10 @@ class WeightSyncExtension:
         backend: str,
         timeout_s: float,
         group_name: str,
+        opening: int,
     ) -> int:
-        """Join the weight-sync group as ``base_rank + <this worker's rank>``; returns that rank."""
+        """Join the weight-sync group as ``base_rank + <this worker's rank>``; returns that rank.
+        ``opening`` names this group in the receives meant for it (``relayrl_receive``)."""
         self.relayrl_close_group()
         rank = base_rank + int(getattr(self, "rank", 0))
         self._relayrl_pg, self._relayrl_store = ws.open_group_with_store(
@@ -115,6 +117,7 @@ class WeightSyncExtension:
         )
         self._relayrl_device = self._relayrl_comm_device(backend)
         self._relayrl_timeout = timeout_s
+        self._relayrl_opening = opening
         logger.info("joined weight-sync group %s as rank %d/%d (%s)", group_name, rank, world_size, backend)
         return rank
 
@@ -122,7 +125,7 @@ class WeightSyncExtension:
         """Leave the group. One whose push was abandoned may still hold a pending receive: it
         is dropped once the group's timeout has passed (``groupwait.retire``), so this returns at once."""
         holder = [getattr(self, "_relayrl_pg", None)]
-        self._relayrl_pg = self._relayrl_store = None
+        self._relayrl_pg = self._relayrl_store = self._relayrl_opening = None
         if holder[0] is not None:
             on_gpu = getattr(self, "_relayrl_device", torch.device("cpu")).type != "cpu"
             groupwait.release(holder, on_gpu, getattr(self, "_relayrl_timeout", 300.0) + 5)
@@ -151,13 +154,21 @@ class WeightSyncExtension:
         if got != checksum:
             raise ValueError("the CUDA IPC probe does not hold the value the learner wrote")
 
-    def relayrl_receive(self, plan: list[dict], load: bool) -> dict:
+    def relayrl_receive(self, plan: list[dict], opening: int, load: bool) -> dict:
         """Receive every bucket of ``plan`` from rank 0 of the open group; load them if ``load``,
         else discard them (a rejected plan is still drained so the sender and the group are not
-        left hanging; a transport-only push is timed this way)."""
+        left hanging; a transport-only push is timed this way). The group must be ``opening``,
+        the one open when the push arrived: a push that waited here while its group was closed
+        and another opened (its sender gave it up) would take the broadcast of the push meant
+        for the new group, and that push would then wait for one that never comes."""
         pg = getattr(self, "_relayrl_pg", None)
         if pg is None:
             return outcome(kind="unavailable", error="no weight-sync group is open")
+        if opening != getattr(self, "_relayrl_opening", None):
+            return outcome(
+                kind="unavailable",
+                error="the weight-sync group this push was sent on is closed (a new one was opened since)",
+            )
         buckets = plan_from_wire(plan)
         return self._relayrl_take(buckets, self._relayrl_buffers(pg, buckets), load)
 

@@ -355,17 +355,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _join(stub, port: int):
+async def _join(stub, port: int, timeout_s: float = 60):
     """The learner's side of a gloo group with this replica (rank 0 here, in a thread)."""
     init = asyncio.ensure_future(
         stub.InitWeightSync(
             g.InitWeightSyncRequest(
                 transport=g.WEIGHT_TRANSPORT_GLOO, master_addr="127.0.0.1", master_port=port, world_size=2, rank=1,
-                timeout_seconds=60,
+                timeout_seconds=timeout_s,
             )
         )
     )  # fmt: skip
-    pg, store = await asyncio.to_thread(ws.open_group_with_store, "127.0.0.1", port, 2, 0, "gloo", 60)
+    pg, store = await asyncio.to_thread(ws.open_group_with_store, "127.0.0.1", port, 2, 0, "gloo", timeout_s)
     await init
     return pg, store
 
@@ -402,6 +402,54 @@ async def test_a_replica_broken_by_a_push_its_peer_broke_takes_the_next_complete
         st = await status(r.stub)
         assert (resp.version, st.ready, st.policy_version) == (1, True, 1) and same(r.params, new)
         groupwait.release([pg], False, 70)
+        await r.stub.CloseWeightSync(g.CloseWeightSyncRequest())
+
+
+async def test_a_push_held_up_while_its_group_was_replaced_leaves_the_new_groups_broadcast_alone(tmp_path):
+    """The e2e kill-in-training case: a push reaches the replica, whose swap waits on vLLM's
+    pause; meanwhile the learner gives that push up (a peer died), closes the group, opens a new
+    one and sends the retry. The held-up push's receive then ran on the new group and took the
+    retry's broadcast; the retry's own UpdateWeights, waiting behind it, waited for a broadcast
+    that never came (the learner sends once) until the group's timeout. Now it is refused."""
+    async with replica(tmp_path) as r:
+        new = weights(3.0)
+        buckets = plan(new)
+        request = g.UpdateWeightsRequest(version=1, plan=plan_to_proto(buckets))
+        paused, resume, retried = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+        async def pause_generation(mode="abort", clear_cache=True):
+            paused.set()
+            await resume.wait()
+
+        update, seen = r.engine.update_weights, []
+
+        async def update_weights(*args, **kwargs):
+            seen.append(args)
+            if len(seen) == 2:
+                retried.set()  # it runs on to the swap lock the first push holds
+            return await update(*args, **kwargs)
+
+        r.engine._llm.pause_generation, r.engine.update_weights = pause_generation, update_weights
+        pg, store = await _join(r.stub, _free_port())
+        first = asyncio.ensure_future(r.stub.UpdateWeights(request))
+        await asyncio.wait_for(paused.wait(), 30)
+        groupwait.abandon(store)  # the learner gives the push up and leaves the group
+        groupwait.release([pg], False, 70)
+        await r.stub.CloseWeightSync(g.CloseWeightSyncRequest())
+        pg, store = await _join(r.stub, _free_port(), timeout_s=10)  # the retry's group
+        retry = asyncio.ensure_future(r.stub.UpdateWeights(request))
+        await asyncio.wait_for(retried.wait(), 30)
+        resume.set()
+        packed = [ws.pack(b, [new[m.name] for m in b.tensors]) for b in buckets]
+        for buf in packed:  # the retry's broadcast, sent once
+            await asyncio.to_thread(ws.broadcast, pg, buf)
+        resp = await retry  # before: UNAVAILABLE at the group's timeout (10 s)
+        assert (resp.version, list(resp.bucket_checksums)) == (1, [ws.checksum(b) for b in packed])
+        err = await error_of(first)
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "sent on is closed" in err.details()
+        st = await status(r.stub)
+        assert (st.ready, st.policy_version) == (True, 1) and same(r.params, new)
+        groupwait.release([pg], False, 15)
         await r.stub.CloseWeightSync(g.CloseWeightSyncRequest())
 
 

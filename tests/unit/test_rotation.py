@@ -370,3 +370,28 @@ async def test_callers_wait_past_the_bound_for_a_replica_its_supervisor_is_resta
     finally:
         await rot.close()
         await a.stop()
+
+
+async def test_a_replica_out_of_rotation_is_probed_without_any_caller_asking():
+    """A run's last steps ask for replicas only a few times: a replica marked down just after
+    one of those asks must come back all the same (its probes run on a clock of their own)."""
+    a, b = HealthServer(), HealthServer()
+    await a.start()
+    await b.start()
+    admitted = []
+
+    async def readmit(name, address):
+        admitted.append(name)
+
+    rot = await _rotation([a, b], readmit)
+    try:
+        rot.mark_down(rot.replicas[1], "UNAVAILABLE: killed")
+        for _ in range(200):  # nobody calls available(): the clock probes it
+            if rot.replicas[1].healthy:
+                break
+            await asyncio.sleep(0.01)
+        assert rot.replicas[1].healthy and admitted == ["gen-1"]
+    finally:
+        await rot.close()
+        await a.stop()
+        await b.stop()

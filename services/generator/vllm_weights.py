@@ -70,6 +70,11 @@ def combine(results: list[dict]) -> dict:
 class WeightSwaps:
     """The weight half of ``VLLMEngine`` (a mixin: it shares the engine's state)."""
 
+    # The version last loaded by a push and the checksums of its bytes: a push of that version
+    # again is a retry only if it carries the same bytes (a retried push that the first one
+    # reached after all); other bytes under the same number are refused, never reported loaded.
+    _held: tuple[int, list[int]] | None = None
+
     def _running(self) -> None:
         if self._llm is None or self._llm.errored:
             raise Unavailable("the vLLM engine is not running (starting, stopped or dead)")
@@ -251,16 +256,22 @@ class WeightSwaps:
     ) -> tuple[int, float, list[int]]:
         """Load ``version`` with ``method(*args)``. One that is not newer than what the replica
         holds once the swaps before it are done (``drain``: the arguments that take the buckets
-        without loading them) is taken and answered as done when it is the same version (a
-        retried push that the first one reached after all), refused when older."""
+        without loading them) is taken, then answered as done when it is the version held with
+        the same bytes (a retried push that the first one reached after all), refused otherwise."""
         # wait: one swap at a time, each bounded (control calls ENGINE_CALL_S; the load by its
         # transport's timeouts inside the workers, or the engine's death)
         async with self._swap_lock:
             if drain is not None and version <= self.version:
                 t0 = time.monotonic()
                 got = self._answer(await self._rpc(method, drain), version, loading=False)
-                if version < self.version:  # taken all the same: nobody is left blocked
+                # taken all the same, so that no sender is left blocked; then judged
+                if version < self.version:
                     raise FailedPrecondition(f"version {version} is older than the replica's {self.version}")
+                if self._held != (version, list(got["checksums"])):
+                    raise FailedPrecondition(
+                        f"version {version} is loaded already, with other bytes than this push "
+                        "carries; weights unchanged"
+                    )
                 return got["nbytes"], time.monotonic() - t0, got["checksums"]
             self._check_version(version)
             t0 = time.monotonic()
@@ -284,6 +295,7 @@ class WeightSwaps:
                         ) from e
                     got = self._answer(results, version, loading=True)
                     self.version = version
+                    self._held = (version, list(got["checksums"]))
                     self._weights_broken = False
                     await within(llm.reset_prefix_cache(), ENGINE_CALL_S, "resetting the prefix cache")
                 finally:

@@ -111,23 +111,27 @@ async def test_a_shm_load_answers_the_version_and_the_checksums_of_what_was_load
         assert same(r.params, new) and (await status(r.stub)).ready
 
 
-async def test_a_push_of_the_version_held_is_answered_as_done_and_an_older_one_refused(tmp_path):
+async def test_a_push_of_the_version_held_is_done_only_with_the_same_bytes_and_an_older_one_refused(tmp_path):
     """A retried push that the first one reached after all (a broadcast peer died, the survivor
-    still loaded): answered as done, with the checksums of what was sent, weights untouched;
-    an older version is refused. Both take the buckets, so no sender is left waiting."""
+    still loaded): answered as done when it carries the bytes loaded; the same version with other
+    bytes, or an older version, is refused. All take the buckets, so no sender is left waiting,
+    and the weights stay."""
     async with replica(tmp_path) as r:
         await open_shm(r.stub)
         new = weights(1.0)
         staging = Staging(plan(new))
         try:
-            staging.fill(new, push_id=1)
+            sent = staging.fill(new, push_id=1)
             await r.stub.UpdateWeights(staging.request(2, 1))
-            again = staging.fill(weights(7.0), push_id=2)  # what is sent is checked, not loaded
+            again = staging.fill(new, push_id=2)
             resp = await r.stub.UpdateWeights(staging.request(2, 2))
-            assert (resp.version, list(resp.bucket_checksums)) == (2, again)
+            assert again == sent and (resp.version, list(resp.bucket_checksums)) == (2, sent)
+            staging.fill(weights(7.0), push_id=3)
+            err = await error_of(r.stub.UpdateWeights(staging.request(2, 3)))
+            assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "other bytes" in err.details()
             assert same(r.params, new) and (await status(r.stub)).ready
-            staging.fill(new, push_id=3)
-            err = await error_of(r.stub.UpdateWeights(staging.request(1, 3)))
+            staging.fill(new, push_id=4)
+            err = await error_of(r.stub.UpdateWeights(staging.request(1, 4)))
             assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "older" in err.details()
         finally:
             staging.seg.close()

@@ -1,7 +1,10 @@
-"""Generate the Python code of relayrl's gRPC contracts: the one command for it.
+"""Generate the Python code of relayrl's gRPC contracts, and the experiment config's JSON Schema:
+the one command for both.
 
     protos/relayrl/<svc>/<ver>/<name>.proto
         -> services/<svc>/<ver>/<name>_pb2.py, <name>_pb2.pyi, <name>_pb2_grpc.py
+    relayrl.coordinator.config.ExperimentConfig (pydantic)
+        -> schemas/experiment.schema.json   (relayrl.coordinator.schema.experiment_schema())
 
 ``services/`` is installed as the import root ``relayrl``, so the generated imports
 (``from relayrl.common.v1 import common_pb2``) resolve as they are. Generated files are never
@@ -18,7 +21,9 @@ Usage (from anywhere; paths are relative to the repository)::
 Output is deterministic for a given grpcio-tools version: protoc sees the same sorted list of
 repository-relative .proto names on every machine, and files are compared byte for byte.
 grpcio-tools is pinned in pyproject.toml (dev extra); another version produces other bytes, so
-``--check`` warns when the installed one differs from the pin.
+``--check`` warns when the installed one differs from the pin. The schema is built by pydantic
+from the config models (field docstrings become descriptions), so editing a config model means
+running this command too; ``--check`` names the pydantic version when the schema differs.
 """
 
 from __future__ import annotations
@@ -104,6 +109,35 @@ def write(fresh: dict[str, bytes]) -> None:
             path.write_bytes(data)
 
 
+def schema_files() -> dict[str, bytes]:
+    """{path relative to the repository: content} of the generated JSON Schema files."""
+    try:
+        from relayrl.coordinator.schema import SCHEMA_PATH, schema_text
+    except ImportError as e:
+        sys.exit(f"gen_protos: cannot import relayrl to build the config schema ({e}); pip install -e .")
+    return {SCHEMA_PATH: schema_text().encode()}
+
+
+def schema_differences(fresh: dict[str, bytes]) -> list[str]:
+    """Lines "<kind>: <path>" for every schema file that is stale or missing."""
+    out = []
+    for rel, data in sorted(fresh.items()):
+        path = ROOT / rel
+        if not path.exists():
+            out.append(f"missing: {rel}")
+        elif path.read_bytes() != data:
+            out.append(f"stale: {rel}")
+    return out
+
+
+def write_schemas(fresh: dict[str, bytes]) -> None:
+    for rel, data in fresh.items():
+        path = ROOT / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists() or path.read_bytes() != data:
+            path.write_bytes(data)
+
+
 def version_warning() -> str | None:
     """A warning when the installed grpcio-tools is not the version pinned in pyproject.toml."""
     match = re.search(r'"grpcio-tools==([^"]+)"', (ROOT / "pyproject.toml").read_text())
@@ -134,19 +168,28 @@ def main(argv: list[str] | None = None) -> int:
             "--include_imports",
         )
         return 0
-    fresh = generate()
+    fresh, schemas = generate(), schema_files()
     if args.check:
-        diffs = differences(fresh, committed())
+        diffs, schema_diffs = differences(fresh, committed()), schema_differences(schemas)
         if diffs:
             print("generated gRPC code is out of date; run: python scripts/gen_protos.py", file=sys.stderr)
             print("\n".join(diffs), file=sys.stderr)
             if warning := version_warning():
                 print(warning, file=sys.stderr)
+        if schema_diffs:
+            print(
+                "the experiment config schema is out of date (a config model changed); run: "
+                f"python scripts/gen_protos.py (built with pydantic {metadata.version('pydantic')})",
+                file=sys.stderr,
+            )
+            print("\n".join(schema_diffs), file=sys.stderr)
+        if diffs or schema_diffs:
             return 1
-        print(f"gen_protos: {len(fresh)} generated files up to date")
+        print(f"gen_protos: {len(fresh)} generated files and {len(schemas)} schema up to date")
         return 0
     write(fresh)
-    print(f"gen_protos: wrote {len(fresh)} files under services/")
+    write_schemas(schemas)
+    print(f"gen_protos: wrote {len(fresh)} files under services/ and {', '.join(sorted(schemas))}")
     return 0
 
 

@@ -1,10 +1,11 @@
 """gRPC server bootstrap shared by every service.
 
 ``create_server`` builds a ``grpc.aio`` server with the service's servicer, ``grpc.health.v1``
-and reflection, and binds it (port 0 picks a free port, which tests rely on). Who may call comes
-from the same ``ServeConfig`` (``relayrl.common.security``): TLS when a certificate is given, a
-bearer-token interceptor when a token file is, and a refusal to bind off loopback without TLS
-unless ``insecure``; health and reflection answer without a token. ``serve_forever``
+and reflection (``grpc.reflection.v1`` and ``v1alpha``, ``relayrl.common.reflection``), and binds
+it (port 0 picks a free port, which tests rely on). Who may call comes from the same
+``ServeConfig`` (``relayrl.common.security``): TLS when a certificate is given, a bearer-token
+interceptor when a token file is, and a refusal to bind off loopback without TLS unless
+``insecure``; health and reflection answer without a token. ``serve_forever``
 runs it until SIGTERM/SIGINT, then shuts down in the order production needs: health goes
 NOT_SERVING (load balancers stop sending work), in-flight RPCs get ``grace`` seconds, then the
 engine is shut down.
@@ -25,8 +26,8 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from relayrl.common.logcontext import ContextInterceptor
+from relayrl.common.reflection import enable_reflection
 from relayrl.common.rpc import decoder
 from relayrl.common.security import server_security
 from relayrl.common.serving import ServeConfig
@@ -115,9 +116,7 @@ def create_server(
     service_full_name = service.full_name
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (service_full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    enable_reflection(server, (service_full_name, health.SERVICE_NAME))
     host = serve.host
     address = f"[{host}]:{serve.port}" if ":" in host else f"{host}:{serve.port}"
     if credentials is None:

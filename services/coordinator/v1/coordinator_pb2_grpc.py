@@ -81,9 +81,12 @@ class CoordinatorServiceServicer:
         starting another, also when several starts of one run_id arrive at once (one experiment,
         counted once against the coordinator's limit). INVALID_ARGUMENT for a config that does not
         validate, inputs (model, data) that are missing, unreadable or cannot be built, or a path
-        outside the coordinator's root; ALREADY_EXISTS for a run_id whose run folder exists but
-        this coordinator did not start; RESOURCE_EXHAUSTED when the coordinator runs as many
-        experiments as it allows.
+        outside the coordinator's root (`relayrl serve coordinator`'s `root`, default its working
+        folder); ALREADY_EXISTS for a run_id whose run folder exists but this coordinator did not
+        start; RESOURCE_EXHAUSTED when the coordinator runs as many experiments as it allows
+        (`max_running`, default 1). The config's schema: schemas/experiment.schema.json (JSON
+        Schema of the experiment file, generated from the config models with each field's
+        description); checks across fields remain the coordinator's.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -117,7 +120,9 @@ class CoordinatorServiceServicer:
     def StreamMetrics(self, request, context):
         """Client -> coordinator: an experiment's metrics, first the recorded ones from from_step on,
         then live ones as steps complete. The stream ends when the experiment reaches a final
-        state (COMPLETED, FAILED, STOPPED). NOT_FOUND for an unknown run_id.
+        state (COMPLETED, FAILED, STOPPED), or at the caller's deadline or cancellation: a stream
+        lasts as long as the run, so give it no deadline or a long one. NOT_FOUND for an unknown
+        run_id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

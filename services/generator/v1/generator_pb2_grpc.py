@@ -75,8 +75,11 @@ class GeneratorServiceServicer:
         """Coordinator -> generator: sample completions for a batch of prompts. Samples are streamed
         back as they finish, in no particular order, possibly several per message; the stream ends
         when every sample of every prompt was sent. Cancelling the call aborts the unfinished
-        samples. UNAVAILABLE while the engine is loading; INVALID_ARGUMENT for an empty prompt or
-        bad sampling parameters.
+        samples; so does the caller's deadline (the stream then ends DEADLINE_EXCEEDED). UNAVAILABLE
+        while the engine is loading; INVALID_ARGUMENT, before any work, for a request past the limits
+        GenerateRequest and SamplingParams state (an empty or too long prompt, too many samples, bad
+        sampling parameters); RESOURCE_EXHAUSTED when `max_pending_requests` (generator config,
+        default 1024) Generate calls are under way already: retry later or on another replica.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -95,14 +95,18 @@ class LearnerServiceServicer:
 
     def TrainStep(self, request, context):
         """Coordinator -> learner: one optimizer step on a batch of scored samples. Idempotent by
-        step: repeating one of the last steps taken with the same batch returns that step's
+        step: repeating one of the last 8 steps taken with the same batch returns that step's
         response without training again (the same step with another batch is
         FAILED_PRECONDITION); any other step but the next is FAILED_PRECONDITION. A step whose
         deadline passes before it can start is not taken (DEADLINE_EXCEEDED); once started it runs
         to its end even if the caller goes away, and a retry gets its response. INVALID_ARGUMENT
         for a batch that cannot be trained on (empty, mismatched per-token lengths, values out of
         the ranges TrainSample states; the message names the sample, the field and the token), and
-        for one whose gradient norm is not finite: that step is not applied.
+        for one whose gradient norm is not finite: that step is not applied. The request may be
+        large (token ids and per-token floats of the whole batch): it must fit in the learner's
+        `serve.max_message_mb` (default 256 MiB). Collective operations (TrainStep, PushWeights'
+        gather, SaveCheckpoint, LoadCheckpoint, ExportModel, ComputeLogprobs, ComputeValues) run one
+        at a time: a call waits for the one under way, within its deadline.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -130,7 +134,8 @@ class LearnerServiceServicer:
         """Coordinator -> learner: send the current weights to every registered generator
         (GeneratorService.UpdateWeights, or LoadWeights as fallback). Idempotent by version:
         replicas already at version are skipped. FAILED_PRECONDITION when version is not the
-        learner's policy_version; UNAVAILABLE when a replica cannot be reached.
+        learner's policy_version; UNAVAILABLE when a replica cannot be reached, or does not answer
+        within `weight_sync_timeout_seconds` (learner config, default 300) once its weights were sent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -138,7 +143,8 @@ class LearnerServiceServicer:
 
     def SaveCheckpoint(self, request, context):
         """Coordinator -> learner: write a resumable checkpoint (model, optimizer, scheduler, step).
-        INVALID_ARGUMENT for a path outside the learner's checkpoint_dir, a tag that is not one plain
+        INVALID_ARGUMENT for a path outside the learner's checkpoint_dir (or longer than 1024
+        characters, with a NUL or a ".." part), a tag that is not one plain
         folder name, a client_state_json that is not JSON or is too long, or a folder no rank can
         write to (checked on every rank before any writes).
         """
@@ -175,7 +181,10 @@ class LearnerServiceServicer:
         sequence's completion tokens under the current weights (forward only, at the temperature of
         loss.temperature), e.g. for a KL penalty in the reward. FAILED_PRECONDITION on a critic;
         INVALID_ARGUMENT for sequences that cannot be scored (empty, ids out of the vocabulary, too
-        long). Changes nothing; runs one at a time with the other collective operations.
+        long). Changes nothing; runs one at a time with the other collective operations, and is not
+        started once the caller's deadline has passed (DEADLINE_EXCEEDED). The response holds 4 bytes
+        per completion token: past about a million tokens it exceeds gRPC's default 4 MiB receive
+        limit (see common.proto, Message sizes).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

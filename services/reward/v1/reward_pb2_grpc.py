@@ -55,9 +55,13 @@ class RewardServiceServicer:
         """Coordinator -> reward: score a batch of completions. A sample whose scorer fails, times
         out, or whose data_source no scorer serves gets a result with status ERROR or TIMEOUT and
         the rest of the batch is scored; the call itself fails for a malformed request
-        (INVALID_ARGUMENT: no items, an item without data_source, extra_info_json that is not a
-        JSON object, fields from a newer contract), for too many samples queued
-        (RESOURCE_EXHAUSTED), and with UNAVAILABLE and the reason when the replica cannot score: no
+        (INVALID_ARGUMENT: no items or more than `max_items_per_request`, an item without
+        data_source, a text past `max_text_chars`, extra_info_json that is not a JSON object or is
+        longer than 65,536 characters, timeout_seconds outside [0, 600], fields from a newer
+        contract; ScoreRequest and RewardInput give the limits), for too many samples queued: when
+        the samples queued or being scored on this replica, over all calls, plus this call's would
+        pass `max_pending_items` (reward config, default 262,144) the call is RESOURCE_EXHAUSTED at
+        once (retry later or on another replica), and with UNAVAILABLE and the reason when the replica cannot score: no
         scoring worker can be started (its health is then NOT_SERVING; it serves again once one
         starts, and exits to be restarted if none can for respawn_give_up_seconds), or a sample's
         worker died twice before taking it. A failure of the service is never a per-sample ERROR.

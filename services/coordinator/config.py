@@ -112,11 +112,13 @@ class SamplingSection(StrictModel):
 class AlgorithmSection(StrictModel):
     """How rewards become advantages."""
 
-    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "gae"] = "grpo"
-    """grpo: (r - group mean) / group std; drgrpo: r - group mean; rloo: leave-one-out baseline;
-    reinforce_pp: REINFORCE++, token-level returns whitened over the whole batch (no group
-    baseline); gae: PPO with a critic (the ``critic`` section: a learner of role critic), GAE
-    advantages whitened over the batch, the critic trained on the returns in the same step."""
+    advantage: str = Field("grpo", pattern=r"^[a-z][a-z0-9_]{0,63}$")
+    """The algorithm, by the family that serves it (``coordinator/algorithms``; a name no family
+    serves is refused when the experiment is loaded). grpo: (r - group mean) / group std;
+    drgrpo: r - group mean; rloo: leave-one-out baseline; reinforce_pp: REINFORCE++, token-level
+    returns whitened over the whole batch (no group baseline); gae: PPO with a critic (the
+    ``critic`` section: a learner of role critic), GAE advantages whitened over the batch, the
+    critic trained on the returns in the same step."""
     gamma: float = Field(1.0, ge=0, le=1)
     """reinforce_pp, gae: discount per token (1: every token gets the score)."""
     lam: float = Field(1.0, ge=0, le=1)
@@ -299,6 +301,11 @@ class TrackingSection(StrictModel):
     """Log every run metric to Weights & Biases; None: off."""
 
 
+LEARNER_ROLES = ("critic", "reference")
+"""Learner roles an algorithm may call beside the actor, each with an experiment section of its
+name and a ``services.<role>`` address for deployed runs."""
+
+
 class ExperimentConfig(StrictModel):
     """A whole experiment."""
 
@@ -342,32 +349,14 @@ class ExperimentConfig(StrictModel):
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     """TensorBoard and Weights & Biases logging (off unless turned on)."""
 
-    @property
-    def needs_critic(self) -> bool:
-        return self.algorithm.advantage == "gae"
-
-    @property
-    def needs_reference(self) -> bool:
-        return self.algorithm.kl_coef > 0
-
     @model_validator(mode="after")
-    def _roles_fit_algorithm(self) -> ExperimentConfig:
-        a = self.algorithm
+    def _sections_fit(self) -> ExperimentConfig:
+        # What the algorithm asks of the sections (its roles, its fields) is checked where the
+        # experiment is loaded, by its family (``derive.resolve_paths``, ``algorithms``).
         if self.learner.role != "actor":
             raise ValueError(
                 "learner.role: the learner section is the actor; the critic and reference have sections of their own"
             )
-        if a.kl_coef > 0 and a.advantage not in ("reinforce_pp", "gae"):
-            raise ValueError(
-                "algorithm.kl_coef: a KL in the reward needs token-level advantages (reinforce_pp or gae); "
-                "for group advantages put the KL in the loss (learner.loss.kl_coef)"
-            )
-        if self.critic is not None and not self.needs_critic:
-            raise ValueError("critic: only algorithm.advantage gae uses a critic")
-        if a.critic_warmup and not self.needs_critic:
-            raise ValueError("algorithm.critic_warmup: only algorithm.advantage gae has a critic")
-        if a.critic_warmup >= self.schedule.steps:
-            raise ValueError("algorithm.critic_warmup must be fewer than schedule.steps")
         per_call = self.services.generator_samples_per_call
         for name, n in (
             ("sampling.n", self.sampling.n),
@@ -375,21 +364,14 @@ class ExperimentConfig(StrictModel):
         ):
             if n > per_call:
                 raise ValueError(f"{name} ({n}) exceeds services.generator_samples_per_call ({per_call})")
-        if not self.services.embedded:
-            for role, need in (("critic", self.needs_critic), ("reference", self.needs_reference)):
-                if need and not getattr(self.services, role):
-                    raise ValueError(f"services.{role}: a deployed run with this algorithm needs its address")
         return self
 
     def role_sections(self) -> dict[str, LearnerConfig]:
-        """The learner services this run needs, by name: ``learner`` (the actor) always, ``critic``
-        and ``reference`` when the algorithm uses them."""
-        out = {"learner": self.learner}
-        if self.needs_critic and self.critic is not None:
-            out["critic"] = self.critic
-        if self.needs_reference and self.reference is not None:
-            out["reference"] = self.reference
-        return out
+        """The learner services this run starts, by name: ``learner`` (the actor) always, and
+        the roles beside it that the algorithm calls (their sections are filled in by
+        ``derive.resolve_paths``, and refused there when the algorithm calls no such role)."""
+        roles = {r: s for r in LEARNER_ROLES if (s := getattr(self, r)) is not None}
+        return {"learner": self.learner, **roles}
 
 
 class CoordinatorServeConfig(StrictModel):

@@ -10,7 +10,8 @@ from pathlib import Path
 from pydantic import ValidationError
 from relayrl.common import config as cfg
 from relayrl.common.serving import ClientSecurity
-from relayrl.coordinator.config import ExperimentConfig
+from relayrl.coordinator import algorithms
+from relayrl.coordinator.config import LEARNER_ROLES, ExperimentConfig
 from relayrl.learner.config import LearnerConfig
 
 
@@ -65,11 +66,21 @@ unset (nested fields one by one: ``critic.optim.lr`` alone keeps the learner's s
 
 
 def _fill_roles(exp: ExperimentConfig) -> None:
-    """The critic and reference sections the algorithm needs, from the learner's where unset."""
-    if exp.needs_critic:
-        exp.critic = _role(exp.critic, "critic", exp)
-    if exp.needs_reference:
-        exp.reference = _role(exp.reference, "reference", exp)
+    """The algorithm's own checks, then the sections of the learner roles it calls, from the
+    learner's where unset; a section or address of a role it does not call is refused."""
+    try:
+        algorithms.check(exp)
+        roles = algorithms.roles(exp)
+    except ValueError as e:
+        raise cfg.ConfigError(str(e)) from None
+    name = exp.algorithm.advantage
+    for role in LEARNER_ROLES:
+        if role in roles:
+            setattr(exp, role, _role(getattr(exp, role), role, exp))
+            if not exp.services.embedded and not getattr(exp.services, role):
+                raise cfg.ConfigError(f"services.{role}: a deployed run of {name} needs its address")
+        elif getattr(exp, role) is not None:
+            raise cfg.ConfigError(f"{role}: algorithm.advantage {name} calls no {role}")
 
 
 def _merge(base: dict, given: dict) -> dict:
@@ -121,5 +132,10 @@ def _resolve_security_paths(exp: ExperimentConfig, rel) -> None:
 
 
 def load_experiment(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
-    """Load an experiment file; relative paths in it resolve against the file's folder."""
-    return resolve_paths(cfg.load(ExperimentConfig, path, overrides), Path(path).resolve().parent)
+    """Load an experiment file; relative paths in it resolve against the file's folder. Errors
+    found once it is read (the algorithm's, a role section's) name the file too."""
+    exp = cfg.load(ExperimentConfig, path, overrides)
+    try:
+        return resolve_paths(exp, Path(path).resolve().parent)
+    except cfg.ConfigError as e:
+        raise cfg.ConfigError(f"{path}: {e}") from None

@@ -1,5 +1,6 @@
-"""Wire one experiment to its services and run the loop: clients of the learner, generators and
-reward replicas, generators registered for weight sync, and on resume the learner's checkpoint
+"""Wire one experiment to its services and run the loop: clients of the learner (and the learner
+roles its algorithm calls), generators and reward replicas, the algorithm and the rollout
+source, generators registered for weight sync, and on resume the learner's checkpoint
 loaded and the experiment put back where it stopped."""
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ import json
 import logging
 from pathlib import Path
 
+from relayrl.coordinator import algorithms
 from relayrl.coordinator.clients import GeneratorPool, LearnerClient, RewardPool
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.loop import Experiment
+from relayrl.coordinator.rollouts import SingleTurn
 from relayrl.coordinator.runfolder import rewind_records
 from relayrl.coordinator.service_set import ServiceSet
 from relayrl.coordinator.trackers import Trackers
@@ -35,10 +38,7 @@ async def drive(
     test_rows = load_rows(cfg.data.test) if cfg.data.test else []
     deadline, security = cfg.services.deadline_seconds, cfg.services.security
     learner = LearnerClient(services.learner, deadline, security)
-    critic = LearnerClient(services.critic, deadline, security, "critic") if services.critic else None
-    reference = (
-        LearnerClient(services.reference, deadline, security, "reference") if services.reference else None
-    )
+    roles = {r: LearnerClient(services.roles[r], deadline, security, r) for r in algorithms.roles(cfg)}
     wait_s = cfg.services.replica_wait_seconds
 
     weights_lock = asyncio.Lock()  # held by the loop while the policy version moves
@@ -92,8 +92,10 @@ async def drive(
         if on_record:
             on_record(rec)
 
+    algorithm = algorithms.make(cfg, roles, run_dir.name)
+    rollouts = SingleTurn(cfg, gens, rewards)
     exp = Experiment(
-        cfg, run_dir, train_rows, test_rows, gens, rewards, learner, record, critic, reference, weights_lock
+        cfg, run_dir, train_rows, test_rows, gens, rollouts, learner, algorithm, record, weights_lock
     )
     if stop is not None:
         exp.stop_requested = stop
@@ -109,7 +111,6 @@ async def drive(
         await gens.close()
         await rewards.close()
         await trackers.aclose()
-        for client in (learner, critic, reference):
-            if client is not None:
-                await client.close()
+        for client in (learner, *roles.values()):
+            await client.close()
     return exp

@@ -44,8 +44,7 @@ class LocalServices:
         self.generators: dict[str, str] = {}
         self.rewards: dict[str, str] = {}
         self.learner = ""
-        self.critic = ""
-        self.reference = ""
+        self.roles: dict[str, str] = {}
         self.restarted: dict[str, int] = {}  # name -> restarts so far
         self.restarting: set[str] = set()  # names being started again now
         self._lock = threading.Lock()  # procs, between the supervisor and stop()
@@ -101,9 +100,8 @@ class LocalServices:
             self._start(f"reward-{i}", "reward", c.reward, []) for i in range(c.services.reward_replicas)
         ]
         ready = {role: p.wait_ready(timeout) for role, p in learners.items()}
-        self.learner = ready["learner"]
-        self.critic = ready.get("critic", "")
-        self.reference = ready.get("reference", "")
+        self.learner = ready.pop("learner")
+        self.roles = ready
         self.generators = {p.name: p.wait_ready(timeout) for p in gens}
         self.rewards = {p.name: p.wait_ready(timeout) for p in rewards}
         if c.services.restarts:

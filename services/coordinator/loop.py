@@ -32,12 +32,13 @@ from pathlib import Path
 import grpc
 from relayrl.common import logcontext
 from relayrl.common.data.dataset import atomic_write
-from relayrl.common.v1 import common_pb2
-from relayrl.coordinator.batch import Rollout, TrainBatch, nothing, reward_stats, scored, train_batch
-from relayrl.coordinator.clients import GeneratorPool, LearnerClient, RewardPool
+from relayrl.coordinator import algorithms
+from relayrl.coordinator.algorithms import Algorithm, TrainBatch
+from relayrl.coordinator.batch import nothing, reward_stats, scored
+from relayrl.coordinator.clients import GeneratorPool, LearnerClient
 from relayrl.coordinator.config import ExperimentConfig
-from relayrl.coordinator.token_advantages import adaptive_kl_coef
-from relayrl.generator.v1 import generator_pb2 as g
+from relayrl.coordinator.rollouts import RolloutSource
+from relayrl.learner.v1 import learner_pb2 as lp
 from relayrl.reward.v1 import reward_pb2 as rw
 
 logger = logging.getLogger(__name__)
@@ -59,18 +60,16 @@ def learner_checkpoint_path(run_dir: Path) -> str:
     return f"{run_dir.name}/checkpoints"
 
 
-def critic_checkpoint_path(run_dir: Path) -> str:
-    """Where the critic keeps this run's checkpoints, relative to its own ``checkpoint_dir``
-    (beside the actor's, with the same tags)."""
-    return f"{learner_checkpoint_path(run_dir)}/critic"
+def role_checkpoint_path(run_dir: Path, role: str) -> str:
+    """Where a trained learner role beside the actor keeps this run's checkpoints, relative to
+    its own ``checkpoint_dir`` (beside the actor's, with the same tags)."""
+    return f"{learner_checkpoint_path(run_dir)}/{role}"
 
 
-def prompt_text(row: dict) -> str:
-    return "\n".join(m["content"] for m in row["prompt"])
-
-
-def ground_truth_text(gt) -> str:
-    return gt if isinstance(gt, str) else json.dumps(gt)
+def train_metrics(role: str, m: lp.TrainMetrics) -> dict[str, float]:
+    """A trained role's metrics beside the actor's, prefixed with its name (its extras too)."""
+    out = {f"{role}_loss": m.loss, f"{role}_clip_fraction": m.clip_fraction, f"{role}_grad_norm": m.grad_norm}
+    return {**out, **{f"{role}_{k}": v for k, v in m.extra.items()}}
 
 
 class Experiment:
@@ -81,26 +80,27 @@ class Experiment:
         train_rows: list[dict],
         test_rows: list[dict],
         generators: GeneratorPool,
-        rewards: RewardPool,
+        rollouts: RolloutSource,
         learner: LearnerClient,
+        algorithm: Algorithm | None = None,
         on_record: Callable[[dict], None] | None = None,
-        critic: LearnerClient | None = None,
-        reference: LearnerClient | None = None,
         weights_lock: asyncio.Lock | None = None,
     ):
-        """``weights_lock``: held while the policy version moves (a train step and its push), so
-        that a generator readmitted meanwhile is pushed a version that stays current."""
+        """``generators``: the rotation weights are pushed to (``rollouts`` samples from it);
+        ``algorithm``: the experiment's family with its learner roles (default: one calling no
+        role); ``weights_lock``: held while the policy version moves (a train step and its
+        push), so that a generator readmitted meanwhile is pushed a version that stays current."""
         self.cfg = cfg
         self.run_dir = run_dir
         self.train_rows = train_rows
         self.test_rows = test_rows
         self.gen = generators
-        self.rewards = rewards
+        self.rollouts = rollouts
         self.learner = learner
-        self.critic = critic
-        self.reference = reference
-        self.kl_coef = cfg.algorithm.kl_coef  # moved by the adaptive controller, checkpointed
-        self.critic_step = 0
+        self.algorithm = algorithm or algorithms.make(cfg, {}, run_dir.name)
+        # Roles beside the actor that train (a step and a checkpoint each), with their steps done.
+        self.trained = {r: self.algorithm.learners[r] for r, t in self.algorithm.roles(cfg).items() if t}
+        self.role_steps = dict.fromkeys(self.trained, 0)
         self.pos = Position()
         self.version = 0
         self.saved_step: int | None = None  # the step of the last checkpoint written or loaded
@@ -131,68 +131,6 @@ class Experiment:
         return out, Position(pos.step, epoch, index)
 
     # -- phases ----------------------------------------------------------------------------
-    def _sampling(self, evaluation: bool) -> g.SamplingParams:
-        s, sched = self.cfg.sampling, self.cfg.schedule
-        return g.SamplingParams(
-            n=sched.eval_samples if evaluation else s.n,
-            max_tokens=s.max_tokens,
-            stop=s.stop,
-            temperature=sched.eval_temperature if evaluation else s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            seed=self.cfg.seed if s.seeded else None,
-        )
-
-    async def rollout(
-        self, batch: list[tuple[str, dict]], evaluation: bool = False, tag: str = ""
-    ) -> Rollout:
-        t0 = time.monotonic()
-        prompts = [
-            common_pb2.Prompt(
-                prompt_id=pid,
-                messages=common_pb2.ChatMessages(
-                    messages=[
-                        common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in row["prompt"]
-                    ]
-                ),
-            )
-            for pid, row in batch
-        ]
-        samples = await self.gen.generate(
-            prompts,
-            self._sampling(evaluation),
-            request_id=tag or f"step{self.pos.step}",
-            min_version=self.version,
-        )
-        t1 = time.monotonic()
-        items = []
-        for pid, row in batch:
-            for s in samples[pid]:
-                items.append(
-                    rw.RewardInput(
-                        sample_id=f"{pid}/{s.sample_index}",
-                        prompt=prompt_text(row),
-                        completion=s.text,
-                        data_source=row["data_source"],
-                        ground_truth=ground_truth_text(row["reward_model"]["ground_truth"]),
-                        extra_info_json=json.dumps(row.get("extra_info") or {}),
-                    )
-                )
-        results = await self.rewards.score(items, request_id=tag or f"step{self.pos.step}")
-        t2 = time.monotonic()
-        groups, k = [], 0
-        for pid, row in batch:
-            n = len(samples[pid])
-            groups.append((row, samples[pid], results[k : k + n]))
-            k += n
-        tokens = sum(len(s.completion_token_ids) for v in samples.values() for s in v)
-        return Rollout(groups, {"generate": t1 - t0, "score": t2 - t1}, tokens, [pid for pid, _ in batch])
-
-    async def train_batch(self, ro: Rollout) -> TrainBatch:
-        return await train_batch(
-            self.cfg, self.version, ro, self.run_dir.name, self.critic, self.reference, self.kl_coef
-        )
-
     async def evaluate(self) -> float:
         """Held-out accuracy: the share of completions whose answer is correct (one greedy
         completion per row, or ``schedule.eval_samples`` sampled ones), among those the reward
@@ -201,7 +139,7 @@ class Experiment:
         if not self.test_rows:
             return float("nan")
         batch = [(f"test-{i}", row) for i, row in enumerate(self.test_rows)]
-        ro = await self.rollout(batch, evaluation=True, tag=f"eval{self.pos.step}")
+        ro = await self.rollouts.rollout(batch, True, f"eval{self.pos.step}", self.version)
         done = [r for r, _ in scored(self.cfg, [r for _, _, rs in ro.groups for r in rs])]
         hits = sum(
             r.status == rw.SCORE_STATUS_OK
@@ -276,12 +214,13 @@ class Experiment:
         return time.monotonic() - t0, len(resp.replica_ids)
 
     def _state(self) -> dict:
-        """What a checkpoint keeps of the coordinator: data position and step, the KL
-        controller's coefficient and the critic's step count."""
-        return {**asdict(self.pos), "kl_coef": self.kl_coef, "critic_step": self.critic_step}
+        """What a checkpoint keeps of the coordinator: data position and step, the algorithm's
+        own state and the steps of the trained roles."""
+        steps = {f"{role}_step": n for role, n in self.role_steps.items()}
+        return {**asdict(self.pos), **self.algorithm.state(), **steps}
 
     async def checkpoint(self) -> None:
-        """Save the learner (and critic) under ``step<N>``, then name that tag in
+        """Save the learner (and every trained role) under ``step<N>``, then name that tag in
         ``coordinator.json``. A step that has its checkpoint already is not saved again: the
         learner would overwrite the tag in place while ``coordinator.json`` names it, and a
         crash then would corrupt the only checkpoint a resume can use."""
@@ -291,9 +230,10 @@ class Experiment:
         state = json.dumps(self._state())
         await asyncio.gather(
             self.learner.save_checkpoint(learner_checkpoint_path(self.run_dir), tag, state),
-            self.critic.save_checkpoint(critic_checkpoint_path(self.run_dir), tag, state)
-            if self.critic
-            else nothing(),
+            *(
+                c.save_checkpoint(role_checkpoint_path(self.run_dir, r), tag, state)
+                for r, c in self.trained.items()
+            ),
         )
         text = json.dumps({"tag": tag, **self._state()}) + "\n"
         # Readers see the old file or the new one, never half of one (a crash mid-write would
@@ -302,20 +242,17 @@ class Experiment:
         self.saved_step = self.pos.step
 
     async def resume(self, tag: str, records: list[dict]) -> None:
-        """Continue from the checkpoint ``tag``: the learner (and critic) load it, the data
-        position, policy version, KL coefficient and metrics come back, and fresh generators get
-        the checkpoint's weights."""
-        loaded, critic = await asyncio.gather(
+        """Continue from the checkpoint ``tag``: the learner (and every trained role) load it,
+        the data position, policy version, the algorithm's state and metrics come back, and
+        fresh generators get the checkpoint's weights."""
+        loaded, *roles = await asyncio.gather(
             self.learner.load_checkpoint(learner_checkpoint_path(self.run_dir), tag),
-            self.critic.load_checkpoint(critic_checkpoint_path(self.run_dir), tag)
-            if self.critic
-            else nothing(),
+            *(c.load_checkpoint(role_checkpoint_path(self.run_dir, r), tag) for r, c in self.trained.items()),
         )
         state = json.loads(loaded.client_state_json)
         self.pos = Position(state["step"], state["epoch"], state["index"])
-        if self.cfg.algorithm.kl_target is not None:  # the adaptive controller's own state
-            self.kl_coef = state.get("kl_coef", self.cfg.algorithm.kl_coef)
-        self.critic_step = critic.step if critic is not None else 0
+        self.algorithm.restore(state)
+        self.role_steps = {r: got.step for r, got in zip(self.trained, roles, strict=True)}
         self.version = loaded.policy_version
         self.saved_step = self.pos.step
         self.records = records
@@ -369,7 +306,8 @@ class Experiment:
     def _generate(self, pos: Position) -> Position:
         """Start the rollout of the prompts after ``pos`` (``inflight``); returns where they end."""
         batch, nxt = self.next_prompts(pos)
-        self.inflight = asyncio.ensure_future(self.rollout(batch))
+        tag = f"step{self.pos.step}"  # the step under way when it started
+        self.inflight = asyncio.ensure_future(self.rollouts.rollout(batch, False, tag, self.version))
         return nxt
 
     async def _step(self, nxt: Position) -> Position:
@@ -392,34 +330,23 @@ class Experiment:
         reward = reward_stats(self.cfg, ro)
         if sched.max_staleness >= 1 and not last:  # overlap: next batch generates during training
             nxt = self._generate(pos_after)
-        t_batch = time.monotonic()
-        tb = await self.train_batch(ro)
-        samples, stats = tb.actor, tb.stats
+        tb = await self.algorithm.batch(self.pos.step, self.version, ro)
         t0 = time.monotonic()
-        if tb.critic or self.reference:
-            stats["time_values"] = t0 - t_batch  # ComputeValues / ComputeLogprobs
-        # The actor waits out the critic's warm-up; the critic trains in the same step.
-        if self.pos.step < self.cfg.algorithm.critic_warmup:
-            samples = []
         # wait: a readmission holds it only around a push (a call under a deadline)
         async with self.weights_lock:
-            train_metrics = await self._train(samples, tb.critic)
+            trained = await self._train(tb)
             t1 = time.monotonic()
-            sync, synced = await self.push() if samples else (0.0, 0)
-        # The controller follows the actor's drift: not while the critic warms up alone.
-        a = self.cfg.algorithm
-        if a.kl_target is not None and "kl_reward" in stats and samples:
-            observed = stats["kl_reward" if a.kl_reduction == "token" else "kl_reward_per_sequence"]
-            self.kl_coef = adaptive_kl_coef(self.kl_coef, observed, a.kl_target, a.kl_horizon, len(tb.actor))
+            sync, synced = await self.push() if tb.actor else (0.0, 0)
+        self.algorithm.observe(tb)
         self.pos = Position(self.pos.step + 1, pos_after.epoch, pos_after.index)
         if sched.max_staleness == 0 and not last:
             nxt = self._generate(self.pos)
         values = {
             **reward,
-            **stats,
-            **train_metrics,
+            **tb.stats,
+            **trained,
             "policy_version": self.version,
-            "train_samples": len(samples),
+            "train_samples": len(tb.actor),
             "groups": len(ro.groups),
             "synced_replicas": synced,
             "healthy_generators": len(self.gen.healthy()),
@@ -440,20 +367,19 @@ class Experiment:
             await self.checkpoint()
         return nxt
 
-    async def _train(self, samples: list, critic_samples: list) -> dict[str, float]:
-        """The actor's and the critic's train steps (either may have nothing to do); the new
-        policy version and step counts kept; returns their metrics."""
-        actor_resp, critic_resp = await asyncio.gather(
-            self.learner.train_step(self.run_dir.name, self.version + 1, samples) if samples else nothing(),
-            self.critic.train_step(self.run_dir.name, self.critic_step + 1, critic_samples)
-            if critic_samples
-            else nothing(),
+    async def _train(self, tb: TrainBatch) -> dict[str, float]:
+        """The actor's train step and every trained role's, together (any may have nothing to
+        do); the new policy version and role steps kept; returns their metrics."""
+        roles = [(r, samples) for r, samples in tb.roles.items() if samples]
+        actor, *answers = await asyncio.gather(
+            self.learner.train_step(self.run_dir.name, self.version + 1, tb.actor) if tb.actor else nothing(),
+            *(self.trained[r].train_step(self.run_dir.name, self.role_steps[r] + 1, s) for r, s in roles),
         )
-        train_metrics: dict[str, float] = {}
-        if actor_resp is not None:
-            self.version = actor_resp.policy_version
-            m = actor_resp.metrics
-            train_metrics = {
+        out: dict[str, float] = {}
+        if actor is not None:
+            self.version = actor.policy_version
+            m = actor.metrics
+            out = {
                 "loss": m.loss,
                 "kl": m.kl,
                 "entropy": m.entropy,
@@ -465,15 +391,7 @@ class Experiment:
                 "learner_peak_memory_mb": m.extra.get("peak_memory_mb", float("nan")),
                 "learner_resident_mb": m.extra.get("resident_memory_mb", float("nan")),
             }
-        if critic_resp is not None:
-            self.critic_step = critic_resp.step
-            m = critic_resp.metrics
-            train_metrics.update(
-                {
-                    "critic_loss": m.loss,
-                    "critic_clip_fraction": m.clip_fraction,
-                    "critic_grad_norm": m.grad_norm,
-                    "critic_vf_mse": m.extra.get("vf_mse", float("nan")),
-                }
-            )
-        return train_metrics
+        for (role, _), got in zip(roles, answers, strict=True):
+            self.role_steps[role] = got.step
+            out.update(train_metrics(role, got.metrics))
+        return out

@@ -118,8 +118,7 @@ class RayServices:
         self.generators: dict[str, str] = {}
         self.rewards: dict[str, str] = {}
         self.learner = ""
-        self.critic = ""
-        self.reference = ""
+        self.roles: dict[str, str] = {}
         self.hosts: dict[str, object] = {}  # name -> actor handle
         self.ranks: list[str] = []  # learner host names, rank order
         self.pgs: list[tuple[GroupPlan, object]] = []
@@ -310,14 +309,12 @@ class RayServices:
                     f"not serving within {self.cfg.ray.start_timeout_seconds:.0f}s: {sorted(pending)}"
                 )
         self.learner = addresses.pop("learner")
-        self.critic = addresses.pop("critic", "")
-        self.reference = addresses.pop("reference", "")
+        self.roles = {r: addresses.pop(r) for r in self.cfg.role_sections() if r != "learner"}
         self.generators = {n: a for n, a in sorted(addresses.items()) if n.startswith("gen-")}
         self.rewards = {n: a for n, a in sorted(addresses.items()) if n.startswith("reward-")}
-        roles = [(n, a) for n, a in (("critic", self.critic), ("reference", self.reference)) if a]
         for name, addr in [
             ("learner", self.learner),
-            *roles,
+            *self.roles.items(),
             *self.generators.items(),
             *self.rewards.items(),
         ]:

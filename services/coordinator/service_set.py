@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
+from relayrl.coordinator import algorithms
 from relayrl.coordinator.config import ExperimentConfig
 
 
@@ -19,10 +20,9 @@ class ServiceSet(Protocol):
     """Replica name -> address, filled by ``start``."""
     learner: str
     """Rank 0's address, filled by ``start``."""
-    critic: str
-    """The critic's rank 0 address when the algorithm uses one (else empty), filled by ``start``."""
-    reference: str
-    """The reference's rank 0 address when the algorithm uses one (else empty), filled by ``start``."""
+    roles: dict[str, str]
+    """Rank 0's address of every learner role beside the actor the algorithm calls (``critic``,
+    ``reference``), by role, filled by ``start``."""
     resume_command: str
     """The command a failed run's message tells the user to continue with."""
 
@@ -47,8 +47,7 @@ class DeployedServices:
         self.generators = {f"gen-{i}": a for i, a in enumerate(cfg.services.generators)}
         self.rewards = {f"reward-{i}": a for i, a in enumerate(cfg.services.rewards)}
         self.learner = cfg.services.learner or ""
-        self.critic = (cfg.services.critic or "") if cfg.needs_critic else ""
-        self.reference = (cfg.services.reference or "") if cfg.needs_reference else ""
+        self.roles = {r: getattr(cfg.services, r) for r in algorithms.roles(cfg)}
 
     def start(self) -> None:
         pass

@@ -447,7 +447,7 @@ def test_compose_volumes_and_experiment(secrets_dir):
     # PPO: the same, plus the critic and the reference of the `ppo` profile
     assert mounts["/experiments/experiment-ppo.yaml"].startswith("./experiment-ppo.yaml:")
     ppo = load_experiment(COMPOSE_DIR / "experiment-ppo.yaml")
-    assert ppo.algorithm.advantage == "gae" and ppo.needs_reference
+    assert ppo.algorithm.advantage == "gae" and "reference" in ppo.role_sections()
     for role in LEARNER_ROLES:
         assert (
             getattr(ppo.services, role)

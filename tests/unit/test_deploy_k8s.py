@@ -515,7 +515,7 @@ def test_k8s_ppo_overlay_adds_critic_and_reference_the_ppo_experiment_reaches(
     cm = by_kind(docs, "ConfigMap")["relayrl-experiment"]
     (tmp_path / "experiment-ppo.yaml").write_text(cm["data"]["experiment-ppo.yaml"])
     exp = load_experiment(tmp_path / "experiment-ppo.yaml")
-    assert exp.algorithm.advantage == "gae" and exp.needs_reference
+    assert exp.algorithm.advantage == "gae" and "reference" in exp.role_sections()
     for role in LEARNER_ROLES:
         _c, _argv, config = _serve(workloads[role], secrets_dir)
         assert config.role == role

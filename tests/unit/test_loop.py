@@ -3,9 +3,8 @@ what it must never do whatever the services do. A checkpoint is never written tw
 tag, ``coordinator.json`` is never half written, a stop ends the run at a step boundary with a
 checkpoint even when a service hangs, and no generation is left running behind it.
 
-The stand-ins answer like the real services at their contract (samples per prompt, rewards per
-item, a policy version per step); the engines themselves are tested against vLLM and DeepSpeed
-in ``tests/integration``."""
+The stand-ins (``tests/kit/loop.py``) answer like the real services at their contract; the
+engines themselves are tested against vLLM and DeepSpeed in ``tests/integration``."""
 
 from __future__ import annotations
 
@@ -14,83 +13,11 @@ import json
 import socket
 
 import pytest
-from relayrl.common.v1 import common_pb2
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.loop import Experiment
-from relayrl.learner.v1 import learner_pb2 as lp
-from relayrl.reward.v1 import reward_pb2 as rw
+from relayrl.coordinator.rollouts import SingleTurn
 
-
-class Generators:
-    """GeneratorPool's face: all n samples of every prompt; ``hang`` holds every call from then
-    on, ``hang_from`` every call from that one (counted from 1)."""
-
-    def __init__(self):
-        self.hang = asyncio.Event()
-        self.hang_from = 0
-        self.calls = 0
-        self.running = 0  # calls under way (a cancelled call leaves)
-
-    def healthy(self):
-        return ["gen-0"]
-
-    async def generate(self, prompts, sampling, request_id, min_version=0):
-        self.calls += 1
-        self.running += 1
-        try:
-            if self.hang.is_set() or 0 < self.hang_from <= self.calls:
-                await asyncio.Event().wait()
-            await asyncio.sleep(0)
-            return {
-                p.prompt_id: [
-                    common_pb2.Sample(
-                        prompt_id=p.prompt_id,
-                        sample_index=i,
-                        prompt_token_ids=[1],
-                        completion_token_ids=[2, 3],
-                        logprobs=[-0.1, -0.2],
-                        policy_version=min_version,
-                        text=str(i),
-                    )
-                    for i in range(sampling.n)
-                ]
-                for p in prompts
-            }
-        finally:
-            self.running -= 1
-
-
-class Rewards:
-    async def score(self, items, request_id):
-        return [
-            rw.RewardResult(sample_id=x.sample_id, status=rw.SCORE_STATUS_OK, reward=float(x.completion))
-            for x in items
-        ]
-
-
-class Learner:
-    def __init__(self):
-        self.version = 0
-        self.saved: list[str] = []
-        self.hang_train = asyncio.Event()
-
-    async def train_step(self, run_id, step, samples):
-        if self.hang_train.is_set():
-            await asyncio.Event().wait()
-        self.version = step
-        return lp.TrainStepResponse(policy_version=step, metrics=lp.TrainMetrics(loss=0.5))
-
-    async def push_weights(self, version):
-        return lp.PushWeightsResponse(version=version, replica_ids=["gen-0"])
-
-    async def save_checkpoint(self, path, tag, state):
-        self.saved.append(tag)
-        return lp.SaveCheckpointResponse()
-
-    async def load_checkpoint(self, path, tag):
-        step = int(tag.removeprefix("step"))
-        state = json.dumps({"step": step, "epoch": 0, "index": 2 * step})
-        return lp.LoadCheckpointResponse(policy_version=step, client_state_json=state)
+from tests.kit.loop import Generators, Learner, Rewards
 
 
 def _experiment(tmp_path, steps=4, checkpoint_every=2, **schedule) -> Experiment:
@@ -118,7 +45,8 @@ def _experiment(tmp_path, steps=4, checkpoint_every=2, **schedule) -> Experiment
         }
         for i in range(8)
     ]
-    return Experiment(cfg, run_dir, rows, [], Generators(), Rewards(), Learner())
+    gens = Generators()
+    return Experiment(cfg, run_dir, rows, [], gens, SingleTurn(cfg, gens, Rewards()), Learner())
 
 
 def _coordinator_json(exp: Experiment) -> dict:
@@ -189,9 +117,7 @@ async def test_a_stop_while_a_generator_hangs_ends_the_run_at_once_with_a_checkp
         "step": 2,
         "epoch": 0,
         "index": 4,
-        "kl_coef": 0.0,
-        "critic_step": 0,
-    }
+    }  # GRPO keeps no state of its own and trains no role beside the actor
 
 
 async def test_a_stop_during_a_train_step_waits_for_it_and_checkpoints_after(tmp_path):

@@ -1,6 +1,6 @@
-"""The coordinator's batch assembly: advantages per group (GRPO family) or per token over the
-batch (REINFORCE++, PPO's GAE with a critic and a KL to the reference in the reward), stale groups
-dropped. The critic and reference are stand-in clients answering fixed numbers: what is tested is
+"""The algorithm families' batch assembly: advantages per group (the group family) or per token
+over the batch (the token family: REINFORCE++, PPO's GAE with a critic and a KL to the reference
+in the reward), stale groups dropped. The critic and reference are stand-in clients answering fixed numbers: what is tested is
 how the coordinator turns them into the actor's and the critic's samples."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from relayrl.common.v1 import common_pb2
-from relayrl.coordinator.batch import Rollout, reward_stats, train_batch
+from relayrl.coordinator import algorithms
+from relayrl.coordinator.batch import Rollout, reward_stats
 from relayrl.coordinator.config import AlgorithmSection, ScheduleSection, ServicesSection
 from relayrl.coordinator.errors import ScoringFailed
 from relayrl.reward.v1 import reward_pb2 as rw
@@ -50,9 +51,18 @@ def _failed(group, index: int, status=rw.SCORE_STATUS_ERROR):
     return row, samples, results
 
 
+def train_batch(cfg, version, ro, run_id, critic=None, reference=None, kl_coef=None):
+    """The batch of ``ro`` from the experiment's family, calling the stand-ins given."""
+    roles = {r: c for r, c in (("critic", critic), ("reference", reference)) if c is not None}
+    algorithm = algorithms.make(cfg, roles, run_id)
+    if kl_coef is not None:
+        algorithm.kl_coef = kl_coef
+    return algorithm.batch(10, version, ro)
+
+
 def _train_batch(advantage: str, groups, version: int = 3, **algo):
     tb = asyncio.run(train_batch(_cfg(advantage, **algo), version, Rollout(groups), "run"))
-    assert not tb.critic
+    assert not tb.roles
     return tb.actor, tb.stats
 
 
@@ -74,7 +84,7 @@ def test_reinforce_pp_whitens_token_returns_over_the_whole_batch_and_keeps_flat_
     # group A: scores 1, 0 (lengths 2, 1); group B: both 1 (no signal for GRPO, kept here); a stale group
     groups = [_group([1.0, 0.0], [2, 1]), _group([1.0, 1.0], [1, 1]), _group([1.0, 0.0], [1, 1], version=1)]
     out, stats = _train_batch("reinforce_pp", groups)
-    assert stats["dropped_stale_groups"] == 1 and stats["zero_signal_groups"] == 0
+    assert stats["dropped_stale_groups"] == 1 and "zero_signal_groups" not in stats  # none dropped for it
     # tokens: 1 1 | 0 | 1 | 1 -> mean 0.8, unbiased std sqrt(0.2)
     std = 0.2**0.5
     assert [list(s.token_advantages) for s in out] == [
@@ -110,9 +120,9 @@ def test_gae_gives_the_actor_whitened_advantages_and_the_critic_returns_and_its_
         pytest.approx(white[:2]),
         pytest.approx(white[2:]),
     ]
-    assert [list(s.returns) for s in tb.critic] == [[1.0, 1.0], [0.0]]  # not whitened: value targets
-    assert [list(s.values) for s in tb.critic] == [[0.25, 0.25], [0.25]]
-    assert all(not s.generator_logprobs and not s.token_advantages for s in tb.critic)
+    assert [list(s.returns) for s in tb.roles["critic"]] == [[1.0, 1.0], [0.0]]  # not whitened: value targets
+    assert [list(s.values) for s in tb.roles["critic"]] == [[0.25, 0.25], [0.25]]
+    assert all(not s.generator_logprobs and not s.token_advantages for s in tb.roles["critic"])
     # returns 1, 1, 0 against values .25: residuals .75, .75, -.25, var 2/9 vs returns' var 2/9
     assert tb.stats["critic_explained_var"] == pytest.approx(
         1 - np.var([0.75, 0.75, -0.25]) / np.var([1, 1, 0])
@@ -131,7 +141,7 @@ def test_gae_with_lambda_below_one_trusts_the_critic():
     white = (raw - raw.mean()) / raw.std(ddof=1)
     got = [x for s in tb.actor for x in s.token_advantages]
     assert got == pytest.approx(white)
-    assert [list(s.returns) for s in tb.critic] == [[0.5, 1.0], [0.0]]  # advantages + values
+    assert [list(s.returns) for s in tb.roles["critic"]] == [[0.5, 1.0], [0.0]]  # advantages + values
 
 
 def test_the_kl_to_the_reference_is_taken_from_every_token_reward():

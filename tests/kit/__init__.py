@@ -1,0 +1,1 @@
+"""Helpers shared by the tests (stand-ins, waits, ports), one module per subject."""

@@ -17,28 +17,22 @@ INVALID_ARGUMENT naming the field. A YAML experiment file is validated as the JS
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
+from relayrl.coordinator import algorithms
 from relayrl.coordinator.config import ExperimentConfig
 
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 SCHEMA_PATH = "schemas/experiment.schema.json"
 """Where ``scripts/gen_protos.py`` writes the schema, relative to the repository."""
 
-Refinement = Callable[[dict[str, Any]], None]
-REFINEMENTS: list[Refinement] = []
-"""Edits applied in order to the generated schema, in place: what pydantic cannot say from a
-type alone (e.g. the names a registry accepts for a field typed ``str``). Append to it from the
-module that owns such a field; every one runs on every build, so keep them deterministic."""
-
-
 def experiment_schema() -> dict[str, Any]:
-    """The JSON Schema (draft 2020-12) of an experiment file: ``ExperimentConfig``'s, refined."""
+    """The JSON Schema (draft 2020-12) of an experiment file: ``ExperimentConfig``'s, with what
+    pydantic cannot say from a type alone: ``algorithm.advantage`` is one of the names the
+    registered algorithm families serve (``coordinator/algorithms``)."""
     schema: dict[str, Any] = {"$schema": SCHEMA_DIALECT}
     schema.update(ExperimentConfig.model_json_schema(mode="validation"))
-    for refine in REFINEMENTS:
-        refine(schema)
+    schema["$defs"]["AlgorithmSection"]["properties"]["advantage"]["enum"] = algorithms.names()
     return schema
 
 

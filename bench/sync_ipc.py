@@ -31,33 +31,34 @@ def metas(dtype: str) -> list:
     """Names and shapes of the 0.5B model's parameters (``bench/learner.py``'s Qwen2.5-0.5B shape,
     tied embeddings), from a model on the meta device: nothing is allocated."""
     import torch
-    from relayrl.common import weightsync as ws
+    from relayrl.common.weightsync.plan import TensorMeta
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from bench.learner import SHAPES
 
     with torch.device("meta"):
         model = Qwen2ForCausalLM(Qwen2Config(**SHAPES["0.5b"][0], tie_word_embeddings=True))
-    return [ws.TensorMeta(n, dtype, tuple(p.shape)) for n, p in model.named_parameters()]
+    return [TensorMeta(n, dtype, tuple(p.shape)) for n, p in model.named_parameters()]
 
 
 def receiver(conn, dtype: str, bucket_bytes: int) -> None:
     import torch
-    from relayrl.common import weightsync as ws
-    from relayrl.common.cudaipc import Shared, open_shared
+    from relayrl.common.weightsync.buckets import checksum, torch_dtype, unpack
+    from relayrl.common.weightsync.cudaipc import Shared, open_shared
+    from relayrl.common.weightsync.plan import plan_buckets
 
     torch.cuda.set_device(0)
     plan = metas(dtype)
-    buckets = ws.plan_buckets(plan, bucket_bytes)
-    params = {m.name: torch.empty(m.shape, dtype=ws.torch_dtype(dtype), device="cuda:0") for m in plan}
+    buckets = plan_buckets(plan, bucket_bytes)
+    params = {m.name: torch.empty(m.shape, dtype=torch_dtype(dtype), device="cuda:0") for m in plan}
     bufs = [open_shared(Shared(**f), 0) for f in conn.recv()]
     conn.send("ready")
     while conn.recv() == "push":
         sums = []
         for b, buf in zip(buckets, bufs, strict=True):
-            for name, t in ws.unpack(b, buf):
+            for name, t in unpack(b, buf):
                 params[name].copy_(t)
-            sums.append(ws.checksum(buf))
+            sums.append(checksum(buf))
         torch.cuda.synchronize()
         conn.send(sums)
 
@@ -74,15 +75,16 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("sync_ipc: no CUDA device here; CUDA IPC needs a GPU (skipped)")
         return
-    from relayrl.common import weightsync as ws
-    from relayrl.common.cudaipc import share
+    from relayrl.common.weightsync.buckets import torch_dtype
+    from relayrl.common.weightsync.cudaipc import share
+    from relayrl.common.weightsync.plan import plan_buckets
     from relayrl.learner.push import Sinks, send_buckets
 
     torch.cuda.set_device(0)
     bucket_bytes = int(args.bucket_mb * (1 << 20))
     plan = metas(args.dtype)
-    buckets = ws.plan_buckets(plan, bucket_bytes)
-    dt = ws.torch_dtype(args.dtype)
+    buckets = plan_buckets(plan, bucket_bytes)
+    dt = torch_dtype(args.dtype)
     params = {m.name: torch.randn(m.shape, device="cuda:0").to(dt) for m in plan}
     staging = [torch.empty(b.nbytes, dtype=torch.uint8, device="cuda:0") for b in buckets]
     ctx = mp.get_context("spawn")

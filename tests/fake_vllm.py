@@ -16,8 +16,9 @@ from types import SimpleNamespace
 
 import grpc
 import torch
-from relayrl.common import weightsync as ws
 from relayrl.common.grpc_server import start
+from relayrl.common.weightsync.buckets import dtype_name
+from relayrl.common.weightsync.plan import Bucket, TensorMeta, plan_buckets
 from relayrl.generator.config import GeneratorConfig
 from relayrl.generator.server import build
 from relayrl.generator.v1 import generator_pb2_grpc
@@ -107,9 +108,9 @@ def weights(seed: float, dtype=torch.float32) -> dict[str, torch.Tensor]:
     }
 
 
-def plan(tensors: dict[str, torch.Tensor]) -> list[ws.Bucket]:
-    metas = [ws.TensorMeta(n, ws.dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()]
-    return ws.plan_buckets(metas, BUCKET)
+def plan(tensors: dict[str, torch.Tensor]) -> list[Bucket]:
+    metas = [TensorMeta(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()]
+    return plan_buckets(metas, BUCKET)
 
 
 @contextlib.asynccontextmanager

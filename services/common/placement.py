@@ -1,7 +1,7 @@
 """Where a process runs, as far as moving weights between two processes is concerned: its host
 and IPC namespace (two processes that can share memory report the same ``host_id``), its device,
 and the UUID of its GPU. The learner compares its own with each generator's to choose a weight
-transport (``relayrl.learner.transports``)."""
+transport (``relayrl.common.weightsync.transports``)."""
 
 from __future__ import annotations
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from relayrl.common import weightsync as ws
-from relayrl.common.cudaipc import Shared
 from relayrl.common.rpc import Unavailable
+from relayrl.common.weightsync.cudaipc import Shared
+from relayrl.common.weightsync.plan import Bucket, TensorMeta, safetensors_kind
 
 logger = logging.getLogger(__name__)
 
@@ -149,12 +149,12 @@ class GenerationEngine(Protocol):
     async def update_weights(
         self,
         version: int,
-        buckets: list[ws.Bucket],
+        buckets: list[Bucket],
         transport_only: bool = False,
         source: BucketSource | None = None,
     ) -> tuple[int, float, list[int]]: ...
     async def close_weight_sync(self) -> None: ...
-    def check_tensor(self, meta: ws.TensorMeta) -> None: ...
+    def check_tensor(self, meta: TensorMeta) -> None: ...
     async def load_weights(
         self, version: int, items: list[tuple[str, str, list[int], bytes]]
     ) -> tuple[int, float, list[int]]: ...
@@ -177,7 +177,7 @@ def checkpoint_tensors(
             header = json.loads(fh.read(n))
         header.pop("__metadata__", None)
         shapes.update({k: tuple(v["shape"]) for k, v in header.items()})
-        kinds.update({k: ws.safetensors_kind(v["dtype"]) for k, v in header.items()})
+        kinds.update({k: safetensors_kind(v["dtype"]) for k, v in header.items()})
     cfg = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
     optional = {"lm_head.weight"} if cfg.get("tie_word_embeddings") else set()
     for name in optional:

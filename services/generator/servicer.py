@@ -7,9 +7,9 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 
-from relayrl.common import weightsync as ws
 from relayrl.common.rpc import InvalidRequest, ResourceExhausted, bounded, map_errors, to_the_end
 from relayrl.common.v1 import common_pb2
+from relayrl.common.weightsync.plan import TensorMeta, plan_from_proto, tensor_meta
 from relayrl.generator import metrics
 from relayrl.generator.config import GeneratorConfig
 from relayrl.generator.engine import (
@@ -20,13 +20,11 @@ from relayrl.generator.engine import (
 from relayrl.generator.v1 import generator_pb2, generator_pb2_grpc
 from relayrl.generator.wire import (
     TRANSPORT_PROTO,
-    bucket_from_proto,
     check_version,
     sample_to_proto,
     sampling_from_proto,
     source_from_proto,
     sync_spec_from_proto,
-    tensor_meta,
 )
 
 
@@ -166,7 +164,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
     @map_errors
     async def UpdateWeights(self, request, context):
         version = check_version(request.version)
-        buckets = [bucket_from_proto(b) for b in request.plan.buckets]
+        buckets = plan_from_proto(request.plan)
         if not buckets:
             raise InvalidRequest("plan has no buckets")
         source = source_from_proto(request, len(buckets))
@@ -195,7 +193,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
     async def LoadWeights(self, request_iterator, context):
         t0 = time.monotonic()
         version, declared, items = 0, 0, []
-        partial: dict[str, tuple[ws.TensorMeta, bytearray]] = {}
+        partial: dict[str, tuple[TensorMeta, bytearray]] = {}
         done: set[str] = set()
         async for i, msg in _enumerate(request_iterator):
             if i == 0:

@@ -20,8 +20,9 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 
-from relayrl.common import weightsync as ws
 from relayrl.common.rpc import DataLoss, FailedPrecondition, InvalidRequest, Unavailable
+from relayrl.common.weightsync.buckets import from_bytes, non_finite
+from relayrl.common.weightsync.plan import Bucket, TensorMeta, check_plan, plan_to_plain
 from relayrl.generator.engine import BucketSource, SyncSpec, within
 
 logger = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ class WeightSwaps:
         if version <= self.version:
             raise FailedPrecondition(f"version {version} is not newer than the replica's {self.version}")
 
-    def _where(self, buckets: list[ws.Bucket], source: BucketSource | None) -> tuple[str, tuple]:
+    def _where(self, buckets: list[Bucket], source: BucketSource | None) -> tuple[str, tuple]:
         """The worker method that takes ``buckets`` over the open sync, and its arguments."""
         self._running()
         if self._sync is None:
@@ -170,22 +171,20 @@ class WeightSwaps:
     async def update_weights(
         self,
         version: int,
-        buckets: list[ws.Bucket],
+        buckets: list[Bucket],
         transport_only: bool = False,
         source: BucketSource | None = None,
     ) -> tuple[int, float, list[int]]:
         """Take ``buckets`` over the open weight sync and switch to ``version`` (or, with
         ``transport_only``, take and discard them: the weights and version stay). Over a group
         the learner broadcasts them; over SHM or IPC ``source`` says where they are."""
-        from relayrl.generator.worker_ext import plan_to_wire
-
         method, where = self._where(buckets, source)
-        plan = plan_to_wire(buckets)
+        plan = plan_to_plain(buckets)  # the form that crosses collective_rpc
         if transport_only:
             t0 = time.monotonic()
             got = self._answer(await self._rpc(method, (plan, *where, False)), version, loading=False)
             return got["nbytes"], time.monotonic() - t0, got["checksums"]
-        problems = ws.check_plan(
+        problems = check_plan(
             [t for b in buckets for t in b.tensors], self._expected, self._optional, self._kinds
         )
         if problems:
@@ -194,11 +193,11 @@ class WeightSwaps:
             raise InvalidRequest("weight plan does not match the model: " + "; ".join(problems))
         return await self._swap_in(version, method, (plan, *where, True), drain=(plan, *where, False))
 
-    def check_tensor(self, meta: ws.TensorMeta) -> None:
+    def check_tensor(self, meta: TensorMeta) -> None:
         """Refuse a tensor this model does not hold, or one of another shape or kind, before its
         bytes arrive: LoadWeights buffers a stream, which must not grow on names it will refuse."""
         expected = {meta.name: self._expected[meta.name]} if meta.name in self._expected else {}
-        if problems := ws.check_plan([meta], expected, self._optional, self._kinds):
+        if problems := check_plan([meta], expected, self._optional, self._kinds):
             raise InvalidRequest("; ".join(problems))
 
     async def load_weights(
@@ -208,16 +207,16 @@ class WeightSwaps:
         tensor, of the bytes loaded."""
         self._running()
         self._check_version(version)
-        metas = [ws.TensorMeta(n, d, tuple(s)) for n, d, s, _ in items]
-        if problems := ws.check_plan(metas, self._expected, self._optional, self._kinds):
+        metas = [TensorMeta(n, d, tuple(s)) for n, d, s, _ in items]
+        if problems := check_plan(metas, self._expected, self._optional, self._kinds):
             raise InvalidRequest("weights do not match the model: " + "; ".join(problems))
         for m, (*_, data) in zip(metas, items, strict=True):
             if len(data) != m.nbytes:
                 raise InvalidRequest(
                     f"{m.name}: {len(data)} bytes for {m.dtype}{m.shape} ({m.nbytes} expected)"
                 )
-        named = [(m.name, ws.from_bytes(d, m)) for m, (*_, d) in zip(metas, items, strict=True)]
-        if bad := await asyncio.to_thread(ws.non_finite, named):  # a pass over every byte: off the loop
+        named = [(m.name, from_bytes(d, m)) for m, (*_, d) in zip(metas, items, strict=True)]
+        if bad := await asyncio.to_thread(non_finite, named):  # a pass over every byte: off the loop
             raise InvalidRequest(f"{bad}: holds NaN or infinite values; weights unchanged")
         return await self._swap_in(version, "relayrl_load_bytes", (items,))
 

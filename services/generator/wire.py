@@ -1,13 +1,13 @@
 """GeneratorService messages <-> the engine's domain values, with the contract's defaults and
-bounds; every error names the field. The servicer calls these and nothing else touches protos."""
+bounds; every error names the field. The servicer calls these and nothing else touches protos
+(a weight push's bucket plan is read by ``relayrl.common.weightsync.plan.plan_from_proto``)."""
 
 from __future__ import annotations
 
-from relayrl.common import shm
-from relayrl.common import weightsync as ws
 from relayrl.common.rpc import InvalidRequest, bounded
-from relayrl.common.tensors import DTYPE_NAMES, shared_from_proto
 from relayrl.common.v1 import common_pb2
+from relayrl.common.weightsync import shm
+from relayrl.common.weightsync.cudaipc import shared_from_proto
 from relayrl.generator.engine import (
     BucketSource,
     SampleOut,
@@ -93,30 +93,6 @@ def sample_to_proto(s: SampleOut) -> common_pb2.Sample:
         replica_id=s.replica_id,
         text=s.text,
     )
-
-
-def tensor_meta(name: str, dtype_enum: int, shape) -> ws.TensorMeta:
-    dtype = DTYPE_NAMES.get(dtype_enum)
-    if dtype is None:
-        raise InvalidRequest(f"{name}: dtype missing or unsupported")
-    if any(d < 0 for d in shape):
-        raise InvalidRequest(f"{name}: negative dimension in shape {tuple(shape)}")
-    return ws.TensorMeta(name, dtype, tuple(shape))
-
-
-def bucket_from_proto(b: common_pb2.Bucket) -> ws.Bucket:
-    """A bucket whose tensors lie in order, aligned, without overlap, and fill it exactly."""
-    if len(b.offsets) != len(b.tensors):
-        raise InvalidRequest(f"bucket has {len(b.tensors)} tensors but {len(b.offsets)} offsets")
-    metas = tuple(tensor_meta(t.name, t.dtype, t.shape) for t in b.tensors)
-    end = 0
-    for m, off in zip(metas, b.offsets, strict=True):
-        if off % ws.ALIGN or off < end:
-            raise InvalidRequest(f"{m.name}: offset {off} is unaligned or overlaps the previous tensor")
-        end = off + m.nbytes
-    if end != b.nbytes:
-        raise InvalidRequest(f"bucket nbytes {b.nbytes} does not match its tensors (they end at {end})")
-    return ws.Bucket(metas, tuple(b.offsets), b.nbytes)
 
 
 TRANSPORT_PROTO = {

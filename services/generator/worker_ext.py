@@ -27,36 +27,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from relayrl.common import groupwait
-from relayrl.common import weightsync as ws
-from relayrl.common.cudaipc import Shared, open_shared
 from relayrl.common.placement import gpu_uuid
-from relayrl.common.shm import Reader, ReadyTable, Truncated
+from relayrl.common.weightsync import groupwait
+from relayrl.common.weightsync.buckets import checksum, non_finite, torch_dtype, unpack
+from relayrl.common.weightsync.cudaipc import Shared, open_shared
+from relayrl.common.weightsync.group import open_group_with_store
+from relayrl.common.weightsync.plan import Bucket, plan_from_plain
+from relayrl.common.weightsync.shm import Reader, ReadyTable, Truncated
 
 logger = logging.getLogger(__name__)
-
-
-def plan_from_wire(plan: list[dict]) -> list[ws.Bucket]:
-    """Rebuild buckets from the plain-data form that crosses ``collective_rpc``."""
-    return [
-        ws.Bucket(
-            tensors=tuple(ws.TensorMeta(t["name"], t["dtype"], tuple(t["shape"])) for t in b["tensors"]),
-            offsets=tuple(b["offsets"]),
-            nbytes=b["nbytes"],
-        )
-        for b in plan
-    ]
-
-
-def plan_to_wire(buckets: list[ws.Bucket]) -> list[dict]:
-    return [
-        {
-            "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in b.tensors],
-            "offsets": list(b.offsets),
-            "nbytes": b.nbytes,
-        }
-        for b in buckets
-    ]
 
 
 class LoadError(Exception):
@@ -112,7 +91,7 @@ class WeightSyncExtension:
         ``opening`` names this group in the receives meant for it (``relayrl_receive``)."""
         self.relayrl_close_group()
         rank = base_rank + int(getattr(self, "rank", 0))
-        self._relayrl_pg, self._relayrl_store = ws.open_group_with_store(
+        self._relayrl_pg, self._relayrl_store = open_group_with_store(
             master_addr, master_port, world_size, rank, backend, timeout_s, group_name
         )
         self._relayrl_device = self._relayrl_comm_device(backend)
@@ -169,7 +148,7 @@ class WeightSyncExtension:
                 kind="unavailable",
                 error="the weight-sync group this push was sent on is closed (a new one was opened since)",
             )
-        buckets = plan_from_wire(plan)
+        buckets = plan_from_plain(plan)
         return self._relayrl_take(buckets, self._relayrl_buffers(pg, buckets), load)
 
     def relayrl_read_shm(
@@ -186,7 +165,7 @@ class WeightSyncExtension:
         ``push_id`` each is taken as soon as the ready table marks it complete (the learner is
         still packing the next ones: loading overlaps gathering). The segment and where the
         request says things are in it are checked before the model is touched."""
-        buckets = plan_from_wire(plan)
+        buckets = plan_from_plain(plan)
         try:
             seg = Reader.open(segment)
         except ValueError as e:
@@ -206,7 +185,7 @@ class WeightSyncExtension:
     def relayrl_read_ipc(self, plan: list[dict], shared: list[dict], load: bool) -> dict:
         """The buckets of ``plan`` from the learner's CUDA buffers (one per bucket, same GPU), all
         opened before the model is touched."""
-        buckets = plan_from_wire(plan)
+        buckets = plan_from_plain(plan)
         index = self._relayrl_model_device().index or 0
         try:
             bufs = [open_shared(Shared(**s), index) for s in shared]
@@ -221,7 +200,7 @@ class WeightSyncExtension:
             buckets, ((b, buf, None) for b, buf in zip(buckets, bufs, strict=True)), load
         )
 
-    def _relayrl_take(self, buckets: list[ws.Bucket], sources, load: bool) -> dict:
+    def _relayrl_take(self, buckets: list[Bucket], sources, load: bool) -> dict:
         """Take every (bucket, buffer, checksum or None) of ``sources``: checksum each, load them
         if ``load`` (else just read them through). Returns the load's ``outcome``."""
         state = _Load()
@@ -232,7 +211,7 @@ class WeightSyncExtension:
         else:
             try:
                 for _b, buf, known in sources:
-                    state.checksums.append(ws.checksum(buf) if known is None else known)
+                    state.checksums.append(checksum(buf) if known is None else known)
             except Exception as e:
                 state.fail(kind_of(e), f"weights stopped arriving: {e}")
         return outcome(
@@ -262,13 +241,11 @@ class WeightSyncExtension:
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
 
-    def _relayrl_buffers(
-        self, pg, buckets: list[ws.Bucket]
-    ) -> Iterator[tuple[ws.Bucket, torch.Tensor, None]]:
+    def _relayrl_buffers(self, pg, buckets: list[Bucket]) -> Iterator[tuple[Bucket, torch.Tensor, None]]:
         """Received buckets in order. The next bucket's broadcast is posted before the current
         one is handed out, so receiving overlaps with loading (double buffering)."""
 
-        def post(b: ws.Bucket):
+        def post(b: Bucket):
             buf = torch.empty(b.nbytes, dtype=torch.uint8, device=self._relayrl_device)
             return b, buf, pg.broadcast(buf, 0)
 
@@ -301,11 +278,11 @@ class WeightSyncExtension:
                 state.fail(kind_of(e), f"weights stopped arriving: {e}")
                 return
             try:
-                state.checksums.append(ws.checksum(buf) if known is None else known)
+                state.checksums.append(checksum(buf) if known is None else known)
                 if state.error:
                     continue
-                tensors = ws.unpack(b, buf.to(device))
-                bad = ws.non_finite(tensors)
+                tensors = unpack(b, buf.to(device))
+                bad = non_finite(tensors)
             except Exception as e:
                 state.fail("invalid", f"bucket {i} cannot be read as its plan says: {e}")
                 continue
@@ -324,8 +301,8 @@ class WeightSyncExtension:
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
             for name, dtype, shape, data in items:
                 try:
-                    t = torch.frombuffer(bytearray(data), dtype=ws.torch_dtype(dtype)).view(shape)
-                    state.checksums.append(ws.checksum(t.view(-1).view(torch.uint8)))
+                    t = torch.frombuffer(bytearray(data), dtype=torch_dtype(dtype)).view(shape)
+                    state.checksums.append(checksum(t.view(-1).view(torch.uint8)))
                     t = t.to(device)
                 except Exception as e:
                     state.fail("invalid", f"{name}: cannot be read as {dtype}{tuple(shape)}: {e}")
@@ -370,7 +347,7 @@ class WeightSyncExtension:
         return self._relayrl_model_device() if backend == "nccl" else torch.device("cpu")
 
 
-def _layout(seg: Reader, buckets: list[ws.Bucket], offsets: list[int], push_id: int, ready_offset: int):
+def _layout(seg: Reader, buckets: list[Bucket], offsets: list[int], push_id: int, ready_offset: int):
     """Check that every bucket (and the ready table of a pipelined push) lies inside the segment;
     returns the ready table, or None when every bucket is in place already."""
     if len(offsets) != len(buckets):
@@ -391,13 +368,13 @@ def _shm_sources(seg: Reader, buckets, offsets, table: ReadyTable | None, push_i
         expected = table.wait(i, push_id, deadline) if table is not None else None
         buf = torch.empty(b.nbytes, dtype=torch.uint8)
         seg.read_into(o, buf)
-        got = ws.checksum(buf)
+        got = checksum(buf)
         # The mark may become visible before the bytes on weakly ordered CPUs (ARM): re-read briefly.
         settle = time.monotonic() + 1.0
         while expected is not None and got != expected and time.monotonic() < settle:
             time.sleep(1e-3)
             seg.read_into(o, buf)
-            got = ws.checksum(buf)
+            got = checksum(buf)
         if expected is not None and got != expected:
             raise LoadError(
                 "data_loss", f"bucket {i} in segment {seg.name} does not match the checksum the learner wrote"

@@ -13,8 +13,8 @@ import logging
 import os
 
 from relayrl.common import logcontext
-from relayrl.common import weightsync as ws
 from relayrl.common.rpc import FailedPrecondition, InvalidRequest, NotFound
+from relayrl.common.weightsync.plan import Bucket, plan_from_plain, plan_to_plain
 from relayrl.learner.control import Control
 from relayrl.learner.push import Sinks, send_buckets
 from relayrl.learner.samples import decode_samples, decode_sequences
@@ -119,19 +119,17 @@ class LearnerCore:
         self.control.send({"op": "score"}, payload)
         return self.trainer.score(samples)
 
-    def push(
-        self, bucket_bytes: int, dtype: str, sinks: Sinks, transport_only: bool = False
-    ) -> tuple[int, list[int]]:
-        """Gather (all ranks) and send (rank 0 -> generators, over ``sinks``) every bucket; returns
-        the bytes sent and each bucket's checksum. ``transport_only``: rank 0 sends zeros of the
-        same sizes, nothing is gathered (the other ranks are not involved)."""
+    def push(self, buckets: list[Bucket], sinks: Sinks, transport_only: bool = False) -> tuple[int, list[int]]:
+        """Gather (all ranks) and send (rank 0 -> generators, over ``sinks``) every bucket of the
+        push's plan (``WeightSync.push`` made it; the other ranks get it with the command);
+        returns the bytes sent and each bucket's checksum. ``transport_only``: rank 0 sends zeros
+        of the same sizes, nothing is gathered (the other ranks are not involved)."""
         import torch
 
-        buckets = ws.plan_buckets(self.trainer.param_metas(dtype), bucket_bytes)
         if transport_only:
             zeros = (torch.zeros(b.nbytes, dtype=torch.uint8) for b in buckets)
             return send_buckets(buckets, zeros, sinks)
-        self.control.send({"op": "push", "bucket_bytes": bucket_bytes, "dtype": dtype})
+        self.control.send({"op": "push", "plan": plan_to_plain(buckets)})
         return send_buckets(buckets, self.trainer.gathered_buckets(buckets), sinks)
 
     def _check(self, op: str, path: str, tag: str) -> None:
@@ -195,8 +193,7 @@ class LearnerCore:
                 seqs = learner_pb2.ComputeValuesRequest.FromString(payload).sequences
                 self.trainer.score(decode_sequences(seqs, self.trainer.vocab_size, self.trainer.max_len))
             elif op == "push":  # gather only: rank 0 sends
-                buckets = ws.plan_buckets(self.trainer.param_metas(cmd["dtype"]), cmd["bucket_bytes"])
-                for _ in self.trainer.gathered_buckets(buckets):
+                for _ in self.trainer.gathered_buckets(plan_from_plain(cmd["plan"])):
                     pass
             elif op == "check":
                 self.control.gather_text(self.trainer.problem(cmd["check"], cmd["path"], cmd["tag"]))

@@ -18,9 +18,9 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable
 
-from relayrl.common import groupwait
-from relayrl.common import weightsync as ws
 from relayrl.common.rpc import Unavailable
+from relayrl.common.weightsync import groupwait
+from relayrl.common.weightsync.group import open_group_with_store
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def join_in_thread(
     def run() -> None:
         result, error = None, None
         try:
-            result = ws.open_group_with_store(host, port, world_size, rank, backend, timeout_s)
+            result = open_group_with_store(host, port, world_size, rank, backend, timeout_s)
         except Exception as e:
             error = e
         try:

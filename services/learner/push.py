@@ -18,9 +18,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
-from relayrl.common import groupwait
-from relayrl.common import weightsync as ws
 from relayrl.common.rpc import Unavailable
+from relayrl.common.weightsync import groupwait
+from relayrl.common.weightsync.buckets import checksum, pack
+from relayrl.common.weightsync.plan import Bucket
 
 
 @dataclass
@@ -60,7 +61,7 @@ class Sinks:
 
 
 def send_buckets(
-    buckets: list[ws.Bucket], items: Iterable[list[torch.Tensor] | torch.Tensor | None], sinks: Sinks
+    buckets: list[Bucket], items: Iterable[list[torch.Tensor] | torch.Tensor | None], sinks: Sinks
 ) -> tuple[int, list[int]]:
     """Pack and send each bucket: ``items`` gives per bucket its gathered tensors (or an already
     packed uint8 buffer; None on ranks that only gather). Returns bytes sent and checksums."""
@@ -71,7 +72,7 @@ def send_buckets(
             continue
         try:
             buf = _stage(i, b, item, sinks)
-            sums.append(ws.checksum(buf))
+            sums.append(checksum(buf))
             if sinks.shm is not None and buf.device.type != "cpu":  # staged on a GPU for IPC
                 _at(sinks, i, b).copy_(buf)
             if sinks.on_ready is not None:
@@ -107,12 +108,12 @@ def send_buckets(
     return sent, sums
 
 
-def _at(sinks: Sinks, i: int, b: ws.Bucket) -> torch.Tensor:
+def _at(sinks: Sinks, i: int, b: Bucket) -> torch.Tensor:
     off = sinks.shm_offsets[i]
     return sinks.shm[off : off + b.nbytes]
 
 
-def _stage(i: int, b: ws.Bucket, item: list[torch.Tensor] | torch.Tensor, sinks: Sinks) -> torch.Tensor:
+def _stage(i: int, b: Bucket, item: list[torch.Tensor] | torch.Tensor, sinks: Sinks) -> torch.Tensor:
     """The bucket packed into the first sink that holds memory of its own, else a fresh buffer
     on the first group's device (or a view of a lone tensor already there)."""
     out = sinks.ipc[i] if sinks.ipc else (_at(sinks, i, b) if sinks.shm is not None else None)
@@ -122,8 +123,8 @@ def _stage(i: int, b: ws.Bucket, item: list[torch.Tensor] | torch.Tensor, sinks:
         out.copy_(item)
         return out
     if out is None:
-        return ws.pack(b, item, device=sinks.groups[0].device)
-    return ws.pack(b, item, out=out)
+        return pack(b, item, device=sinks.groups[0].device)
+    return pack(b, item, out=out)
 
 
 async def answers(

@@ -36,7 +36,7 @@ def init_distributed() -> str:
         # nodes (pods, namespaces, several NICs) that is often not the one that reaches rank 0,
         # and the training group hangs at init. Name the interface routed toward MASTER_ADDR.
         if "GLOO_SOCKET_IFNAME" not in os.environ and "MASTER_ADDR" in os.environ:
-            from relayrl.common.weightsync import TRAINING_IFNAME_VAR, interface_toward
+            from relayrl.common.weightsync.group import TRAINING_IFNAME_VAR, interface_toward
 
             ifname = interface_toward(os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "29500")))
             if ifname:

@@ -204,7 +204,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             sent, replicas = await self.sync.push(
                 request.version,
                 bucket_bytes,
-                lambda sinks: self._collective(self.core.push, bucket_bytes, self.sync.dtype, sinks, only),
+                lambda plan, sinks: self._collective(self.core.push, plan, sinks, only),
                 transport_only=only,
                 exclusive=ranks,
             )

@@ -10,9 +10,9 @@ while another process holds it).
 
 from __future__ import annotations
 
-from relayrl.common import weightsync as ws
-from relayrl.common.shm import ReadyTable, Segment
-from relayrl.common.tensors import shared_to_proto
+from relayrl.common.weightsync.cudaipc import shared_to_proto
+from relayrl.common.weightsync.plan import Bucket, aligned
+from relayrl.common.weightsync.shm import ReadyTable, Segment
 
 
 class Staging:
@@ -21,22 +21,22 @@ class Staging:
         self._segment: Segment | None = None
         self._ipc: tuple[list, list] | None = None  # (CUDA buffers, their sharing fields)
 
-    def shm(self, buckets: list[ws.Bucket]) -> tuple[Segment, tuple[int, ...], ReadyTable]:
+    def shm(self, buckets: list[Bucket]) -> tuple[Segment, tuple[int, ...], ReadyTable]:
         """The segment, each bucket's offset in it, and its ready table."""
-        offsets, end = [], ws.aligned(len(buckets) * ReadyTable.ENTRY)
+        offsets, end = [], aligned(len(buckets) * ReadyTable.ENTRY)
         for b in buckets:
             offsets.append(end)
-            end = ws.aligned(end + b.nbytes)
+            end = aligned(end + b.nbytes)
         if self._segment is None or self._segment.size != end:
             if self._segment is not None:
                 self._segment.close()
             self._segment = Segment.create(end)
         return self._segment, tuple(offsets), ReadyTable(self._segment, 0, len(buckets))
 
-    def ipc(self, buckets: list[ws.Bucket]) -> tuple[list, list]:
+    def ipc(self, buckets: list[Bucket]) -> tuple[list, list]:
         """One CUDA buffer per bucket, and the fields that share each."""
         import torch
-        from relayrl.common.cudaipc import share
+        from relayrl.common.weightsync.cudaipc import share
 
         sizes = [b.nbytes for b in buckets]
         if self._ipc is None or [t.numel() for t in self._ipc[0]] != sizes:

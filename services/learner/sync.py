@@ -41,7 +41,6 @@ from contextlib import AbstractAsyncContextManager
 
 import grpc
 from relayrl.common import logcontext
-from relayrl.common import weightsync as ws
 from relayrl.common.placement import gpu_uuid, host_id
 from relayrl.common.rpc import (
     DataLoss,
@@ -53,14 +52,15 @@ from relayrl.common.rpc import (
 )
 from relayrl.common.security import client_channel
 from relayrl.common.serving import ClientSecurity
-from relayrl.common.shm import Segment
-from relayrl.common.tensors import plan_to_proto, shared_to_proto
+from relayrl.common.weightsync.cudaipc import shared_to_proto
+from relayrl.common.weightsync.plan import Bucket, TensorMeta, plan_buckets, plan_to_proto
+from relayrl.common.weightsync.shm import Segment
+from relayrl.common.weightsync.transports import GROUP_BACKEND, Place, choose
 from relayrl.generator.v1 import generator_pb2 as g
 from relayrl.generator.v1 import generator_pb2_grpc as gg
 from relayrl.learner import groupform
 from relayrl.learner.push import Sinks, WeightGroup, answers
 from relayrl.learner.staging import Staging
-from relayrl.learner.transports import GROUP_BACKEND, Place, choose
 
 logger = logging.getLogger(__name__)
 CONTROL_RPC_S = 30.0  # at most, for the replicas' quick calls (GetStatus, CloseWeightSync)
@@ -94,7 +94,7 @@ class WeightSync:
         dtype: str,
         timeout_s: float,
         deadline_s: float,
-        metas: Callable[[str], list[ws.TensorMeta]],
+        metas: Callable[[str], list[TensorMeta]],
         security: ClientSecurity | None = None,
         transport: str = "auto",
     ):
@@ -221,7 +221,7 @@ class WeightSync:
                 seg.close()
         else:
             import torch
-            from relayrl.common.cudaipc import share
+            from relayrl.common.weightsync.cudaipc import share
 
             if not self.device.startswith("cuda"):
                 raise RuntimeError("the learner trains on the CPU: no GPU to share")
@@ -356,12 +356,13 @@ class WeightSync:
         self,
         version: int,
         bucket_bytes: int,
-        collective: Callable[[Sinks], Awaitable[tuple[int, list[int]]]],
+        collective: Callable[[list[Bucket], Sinks], Awaitable[tuple[int, list[int]]]],
         transport_only: bool = False,
         exclusive: Callable[[], AbstractAsyncContextManager] = _alone,
     ) -> tuple[int, list[str]]:
-        """Push ``version`` to every registered replica; ``collective`` (the gather + send) runs
-        inside ``exclusive()``, which is entered even when there is nothing to send (it checks the
+        """Push ``version`` to every registered replica; ``collective`` (the gather + send of the
+        plan made here, the push's only one: every rank and every replica gets it) runs inside
+        ``exclusive()``, which is entered even when there is nothing to send (it checks the
         version). Returns the bytes sent and the replicas that loaded it."""
         async with self.lock:  # wait: as for register
             if not self.addresses:
@@ -373,7 +374,7 @@ class WeightSync:
                     return 0, sorted(self.addresses)  # all current: idempotent by version
             for backend in sorted({GROUP_BACKEND[t] for t in self.transports.values() if t in GROUP_BACKEND}):
                 await self._ensure_group(backend)
-            buckets = ws.plan_buckets(self._metas(self.dtype), bucket_bytes)
+            buckets = plan_buckets(self._metas(self.dtype), bucket_bytes)
             # Replicas at `version` already (one came back and the others are current): a group's
             # members all take part in its broadcast, so the current ones drain it and keep their
             # weights (transport_only); over SHM or IPC they are not called at all.
@@ -396,7 +397,7 @@ class WeightSync:
             async with exclusive():
                 calls = {r: call(r) for r in early}
                 try:
-                    sent, sums = await collective(sinks)
+                    sent, sums = await collective(buckets, sinks)
                 except Exception as e:  # cleaned up below, once training may go on
                     failure = e
             if failure is not None:
@@ -412,7 +413,7 @@ class WeightSync:
             return sent, [r for r in sorted(calls) if r not in current]
 
     def _requests(
-        self, version: int, buckets: list[ws.Bucket], transport_only: bool, current: set[str]
+        self, version: int, buckets: list[Bucket], transport_only: bool, current: set[str]
     ) -> tuple[dict[str, g.UpdateWeightsRequest], Sinks, Callable[[], None]]:
         """Each replica's UpdateWeights, the sinks of the collective, and what gives the push up
         for the shared-memory readers."""

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from relayrl.common import weightsync as ws
 from relayrl.common.memory import resident_mb, trim_heap
+from relayrl.common.weightsync.buckets import dtype_name, torch_dtype
+from relayrl.common.weightsync.plan import Bucket, TensorMeta, plan_buckets
 from relayrl.learner.batching import plan_step
 from relayrl.learner.config import LearnerConfig
 from relayrl.learner.logprobs import chunk_rows, head_calls
@@ -279,14 +280,14 @@ class Trainer:
         return [flat[offsets[i] : offsets[i + 1]].tolist() for i in range(len(samples))]
 
     # -- weights -------------------------------------------------------------------------
-    def param_metas(self, dtype: str) -> list[ws.TensorMeta]:
+    def param_metas(self, dtype: str) -> list[TensorMeta]:
         """Checkpoint names and full shapes of every parameter, without gathering anything."""
         return [
-            ws.TensorMeta(n, dtype, tuple(getattr(p, "ds_shape", p.shape)))
+            TensorMeta(n, dtype, tuple(getattr(p, "ds_shape", p.shape)))
             for n, p in self.lm.named_parameters()
         ]
 
-    def gathered_buckets(self, buckets: list[ws.Bucket]) -> Iterator[list[torch.Tensor] | None]:
+    def gathered_buckets(self, buckets: list[Bucket]) -> Iterator[list[torch.Tensor] | None]:
         """Per bucket, all ranks gather its parameters; rank 0 gets the full tensors (in the
         bucket's order, cast to the plan's dtype), other ranks get None."""
         import deepspeed
@@ -296,9 +297,7 @@ class Trainer:
             group = [params[m.name] for m in b.tensors]
             with deepspeed.zero.GatheredParameters(group, modifier_rank=None):
                 if self.rank == 0:
-                    yield [
-                        p.detach().to(ws.torch_dtype(m.dtype)) for p, m in zip(group, b.tensors, strict=True)
-                    ]
+                    yield [p.detach().to(torch_dtype(m.dtype)) for p, m in zip(group, b.tensors, strict=True)]
                 else:
                     yield None
 
@@ -306,7 +305,7 @@ class Trainer:
         """Write the current policy as a Hugging Face folder (rank 0 writes; all ranks gather)."""
         from safetensors.torch import save_file
 
-        buckets = ws.plan_buckets(self.param_metas(ws.dtype_name(self.dtype)), bucket_bytes)
+        buckets = plan_buckets(self.param_metas(dtype_name(self.dtype)), bucket_bytes)
         state: dict[str, torch.Tensor] = {}
         for b, tensors in zip(buckets, self.gathered_buckets(buckets), strict=True):
             if tensors is not None:

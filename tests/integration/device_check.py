@@ -79,23 +79,25 @@ def strict(fn, op: str, exempt_group=None):
 def receiver(addr: str, port: int, plans: list, backend: str, out: mp.Queue) -> None:
     """A stand-in generator worker: joins the weight-sync group as rank 1, receives each push
     (over NCCL: on the last GPU, which the learner's rank 0 does not use)."""
-    from relayrl.common import weightsync as ws
+    from relayrl.common.weightsync.buckets import checksum
+    from relayrl.common.weightsync.group import broadcast, open_group
 
     device = torch.device("cuda", torch.cuda.device_count() - 1) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
-    pg = ws.open_group(addr, port, 2, 1, backend, timeout_s=120)
+    pg = open_group(addr, port, 2, 1, backend, timeout_s=120)
     for nbytes in plans:
         sums = []
         for n in nbytes:
             buf = torch.empty(n, dtype=torch.uint8, device=device)
-            ws.broadcast(pg, buf)
-            sums.append(ws.checksum(buf))
+            broadcast(pg, buf)
+            sums.append(checksum(buf))
         out.put(sums)
 
 
 def main(model: str, backend: str) -> None:
-    from relayrl.common import weightsync as ws
+    from relayrl.common.weightsync.group import open_group
+    from relayrl.common.weightsync.plan import plan_buckets
     from relayrl.learner.config import LearnerConfig
     from relayrl.learner.control import Control
     from relayrl.learner.core import LearnerCore
@@ -144,7 +146,7 @@ def main(model: str, backend: str) -> None:
                     for s in req.samples]  # fmt: skip
             scored = core.score(seqs, "logprobs")  # ComputeLogprobs: each rank's share, one all-reduce
             assert [len(x) for x in scored] == [3] * 4 and all(v <= 0 for x in scored for v in x), scored
-            plan = ws.plan_buckets(trainer.param_metas("float32"), 64 << 10)
+            plan = plan_buckets(trainer.param_metas("float32"), 64 << 10)
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
@@ -154,8 +156,8 @@ def main(model: str, backend: str) -> None:
                 target=receiver, args=("127.0.0.1", port, plans, backend, got)
             )
             proc.start()
-            group = WeightGroup(ws.open_group("127.0.0.1", port, 2, 0, backend, timeout_s=120), {"r": 1}, 2)
-            sent, sums = core.push(64 << 10, "float32", Sinks(groups=[group]))
+            group = WeightGroup(open_group("127.0.0.1", port, 2, 0, backend, timeout_s=120), {"r": 1}, 2)
+            sent, sums = core.push(plan, Sinks(groups=[group]))
             assert got.get(timeout=120) == sums and sent == sum(b.nbytes for b in plan)
             proc.join(30)
             core.save(str(out / "ckpt"), "t1", "{}")

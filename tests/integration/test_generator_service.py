@@ -15,9 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from relayrl.common import weightsync as ws
-from relayrl.common.tensors import plan_to_proto
 from relayrl.common.v1 import common_pb2
+from relayrl.common.weightsync.buckets import dtype_name, pack
+from relayrl.common.weightsync.group import broadcast, open_group_with_store
+from relayrl.common.weightsync.plan import TensorMeta, plan_buckets, plan_to_proto
 from relayrl.generator.v1 import generator_pb2 as g
 from relayrl.generator.v1 import generator_pb2_grpc as gg
 
@@ -113,22 +114,22 @@ class Learner:
             ),
             timeout=60,
         )
-        self.pg, self.store = ws.open_group_with_store("127.0.0.1", port, 2, 0, "gloo", timeout_s=60)
+        self.pg, self.store = open_group_with_store("127.0.0.1", port, 2, 0, "gloo", timeout_s=60)
         self.joined = fut.result()
 
     def push(self, version: int, tensors: dict, bucket_bytes: int = 256 << 10, shapes: dict | None = None):
         metas = [
-            ws.TensorMeta(n, ws.dtype_name(t.dtype), tuple((shapes or {}).get(n, t.shape)))
+            TensorMeta(n, dtype_name(t.dtype), tuple((shapes or {}).get(n, t.shape)))
             for n, t in tensors.items()
         ]
-        buckets = ws.plan_buckets(metas, bucket_bytes)
+        buckets = plan_buckets(metas, bucket_bytes)
         plan = plan_to_proto(buckets)
         fut = self.pool.submit(
             self.stub.UpdateWeights, g.UpdateWeightsRequest(version=version, plan=plan), timeout=120
         )
         for b in buckets:
             views = [tensors[m.name].reshape(m.shape) for m in b.tensors]
-            ws.broadcast(self.pg, ws.pack(b, views))
+            broadcast(self.pg, pack(b, views))
         return fut.result(), len(buckets)
 
 
@@ -649,7 +650,7 @@ def test_a_push_abandoned_half_way_frees_the_replica_at_once_and_a_new_group_res
     abandoned. This replica, waiting for the third inside vLLM's layerwise reload, stops within
     seconds (not at the group's timeout), serves nothing (its weights are part old, part new),
     leaves the group at once, and a complete push over a new group makes it serve again."""
-    from relayrl.common import groupwait
+    from relayrl.common.weightsync import groupwait
 
     stub, _, _ = server
     tok, model = hf
@@ -658,14 +659,14 @@ def test_a_push_abandoned_half_way_frees_the_replica_at_once_and_a_new_group_res
     learner = Learner(stub)
     v = _version(stub)
     new = _perturbed(model, seed=12)
-    metas = [ws.TensorMeta(n, ws.dtype_name(t.dtype), tuple(t.shape)) for n, t in new.items()]
-    buckets = ws.plan_buckets(metas, 256 << 10)
+    metas = [TensorMeta(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in new.items()]
+    buckets = plan_buckets(metas, 256 << 10)
     assert len(buckets) > 3
     fut = learner.pool.submit(
         stub.UpdateWeights, g.UpdateWeightsRequest(version=v + 1, plan=plan_to_proto(buckets)), timeout=120
     )
     for b in buckets[:2]:
-        ws.broadcast(learner.pg, ws.pack(b, [new[m.name].reshape(m.shape) for m in b.tensors]))
+        broadcast(learner.pg, pack(b, [new[m.name].reshape(m.shape) for m in b.tensors]))
     t0 = time.monotonic()
     groupwait.abandon(learner.store)
     with pytest.raises(grpc.RpcError) as e:
@@ -693,16 +694,16 @@ def test_a_push_given_up_before_its_first_bucket_leaves_the_replica_serving_its_
     stays ready at its version and samples exactly as before (it used to stop serving until the
     next complete load). Also over shared memory: a segment that is not one is refused before
     anything loads, and the replica keeps serving."""
-    from relayrl.common import groupwait
-    from relayrl.common.shm import ROOT
+    from relayrl.common.weightsync import groupwait
+    from relayrl.common.weightsync.shm import ROOT
 
     stub, _, _ = server
     tok, model = hf  # holds the weights the replica serves (the previous test's last push)
     learner = server_learner["l"]
     v = _version(stub)
     new = _perturbed(model, seed=14)
-    metas = [ws.TensorMeta(n, ws.dtype_name(t.dtype), tuple(t.shape)) for n, t in new.items()]
-    plan = plan_to_proto(ws.plan_buckets(metas, 256 << 10))
+    metas = [TensorMeta(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in new.items()]
+    plan = plan_to_proto(plan_buckets(metas, 256 << 10))
     fut = learner.pool.submit(
         stub.UpdateWeights, g.UpdateWeightsRequest(version=v + 1, plan=plan), timeout=120
     )

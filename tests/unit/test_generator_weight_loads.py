@@ -18,11 +18,12 @@ import threading
 import grpc
 import pytest
 import torch
-from relayrl.common import groupwait
-from relayrl.common import weightsync as ws
-from relayrl.common.shm import ROOT, ReadyTable, Segment
-from relayrl.common.tensors import plan_to_proto
 from relayrl.common.v1 import common_pb2 as c
+from relayrl.common.weightsync import groupwait
+from relayrl.common.weightsync.buckets import checksum, pack
+from relayrl.common.weightsync.group import broadcast, open_group_with_store
+from relayrl.common.weightsync.plan import Bucket, aligned, plan_to_proto
+from relayrl.common.weightsync.shm import ROOT, ReadyTable, Segment
 from relayrl.generator.v1 import generator_pb2 as g
 
 from tests.fake_vllm import SHAPES, plan, replica, weights
@@ -31,12 +32,12 @@ from tests.fake_vllm import SHAPES, plan, replica, weights
 class Staging:
     """The learner's shared-memory side: a segment holding a ready table, then the buckets."""
 
-    def __init__(self, buckets: list[ws.Bucket]):
+    def __init__(self, buckets: list[Bucket]):
         self.buckets = buckets
-        self.offsets, end = [], ws.aligned(len(buckets) * ReadyTable.ENTRY)
+        self.offsets, end = [], aligned(len(buckets) * ReadyTable.ENTRY)
         for b in buckets:
             self.offsets.append(end)
-            end = ws.aligned(end + b.nbytes)
+            end = aligned(end + b.nbytes)
         self.seg = Segment.create(end, "t")
         self.table = ReadyTable(self.seg, 0, len(buckets))
 
@@ -45,8 +46,8 @@ class Staging:
         for i, (b, o) in enumerate(zip(self.buckets, self.offsets, strict=True)):
             if upto is not None and i >= upto:
                 break
-            buf = ws.pack(b, [tensors[m.name] for m in b.tensors], out=self.seg.view()[o : o + b.nbytes])
-            sums.append(ws.checksum(buf))
+            buf = pack(b, [tensors[m.name] for m in b.tensors], out=self.seg.view()[o : o + b.nbytes])
+            sums.append(checksum(buf))
             self.table.mark(i, push_id, sums[-1])
         return sums
 
@@ -148,7 +149,7 @@ async def test_load_weights_answers_a_checksum_per_tensor(tmp_path):
                 yield g.LoadWeightsRequest(version=5, tensor=msg, num_tensors=len(new) if i == 0 else 0)
 
         resp = await r.stub.LoadWeights(stream())
-        expected = [ws.checksum(t.reshape(-1).view(torch.uint8)) for t in new.values()]
+        expected = [checksum(t.reshape(-1).view(torch.uint8)) for t in new.values()]
         assert (resp.version, list(resp.tensor_checksums)) == (5, expected) and same(r.params, new)
 
 
@@ -369,7 +370,7 @@ async def _join(stub, port: int, timeout_s: float = 60):
             )
         )
     )  # fmt: skip
-    pg, store = await asyncio.to_thread(ws.open_group_with_store, "127.0.0.1", port, 2, 0, "gloo", timeout_s)
+    pg, store = await asyncio.to_thread(open_group_with_store, "127.0.0.1", port, 2, 0, "gloo", timeout_s)
     await init
     return pg, store
 
@@ -387,8 +388,8 @@ async def test_a_replica_broken_by_a_push_its_peer_broke_takes_the_next_complete
         call = asyncio.ensure_future(
             r.stub.UpdateWeights(g.UpdateWeightsRequest(version=1, plan=plan_to_proto(buckets)))
         )
-        first = ws.pack(buckets[0], [new[m.name] for m in buckets[0].tensors])
-        await asyncio.to_thread(ws.broadcast, pg, first)
+        first = pack(buckets[0], [new[m.name] for m in buckets[0].tensors])
+        await asyncio.to_thread(broadcast, pg, first)
         groupwait.abandon(store)  # the learner lost the other member
         err = await error_of(call)
         assert err.code() == grpc.StatusCode.UNAVAILABLE and "half-way" in err.details()
@@ -401,7 +402,7 @@ async def test_a_replica_broken_by_a_push_its_peer_broke_takes_the_next_complete
             r.stub.UpdateWeights(g.UpdateWeightsRequest(version=1, plan=plan_to_proto(buckets)))
         )
         for b in buckets:
-            await asyncio.to_thread(ws.broadcast, pg, ws.pack(b, [new[m.name] for m in b.tensors]))
+            await asyncio.to_thread(broadcast, pg, pack(b, [new[m.name] for m in b.tensors]))
         resp = await call
         st = await status(r.stub)
         assert (resp.version, st.ready, st.policy_version) == (1, True, 1) and same(r.params, new)
@@ -444,11 +445,11 @@ async def test_a_push_held_up_while_its_group_was_replaced_leaves_the_new_groups
         retry = asyncio.ensure_future(r.stub.UpdateWeights(request))
         await asyncio.wait_for(retried.wait(), 30)
         resume.set()
-        packed = [ws.pack(b, [new[m.name] for m in b.tensors]) for b in buckets]
+        packed = [pack(b, [new[m.name] for m in b.tensors]) for b in buckets]
         for buf in packed:  # the retry's broadcast, sent once
-            await asyncio.to_thread(ws.broadcast, pg, buf)
+            await asyncio.to_thread(broadcast, pg, buf)
         resp = await retry  # before: UNAVAILABLE at the group's timeout (10 s)
-        assert (resp.version, list(resp.bucket_checksums)) == (1, [ws.checksum(b) for b in packed])
+        assert (resp.version, list(resp.bucket_checksums)) == (1, [checksum(b) for b in packed])
         err = await error_of(first)
         assert err.code() == grpc.StatusCode.UNAVAILABLE and "sent on is closed" in err.details()
         st = await status(r.stub)

@@ -20,11 +20,12 @@ from types import SimpleNamespace
 import grpc
 import pytest
 import torch
-from relayrl.common import weightsync as ws
 from relayrl.common.grpc_server import create_server, start
 from relayrl.common.placement import host_id
 from relayrl.common.rpc import DeadlineExceeded, FailedPrecondition
-from relayrl.common.shm import Reader, ReadyTable
+from relayrl.common.weightsync.buckets import checksum
+from relayrl.common.weightsync.plan import TensorMeta, plan_buckets
+from relayrl.common.weightsync.shm import Reader, ReadyTable
 from relayrl.generator.v1 import generator_pb2 as g
 from relayrl.generator.v1 import generator_pb2_grpc as gg
 from relayrl.learner.config import LearnerConfig
@@ -36,7 +37,7 @@ from relayrl.learner.v1 import learner_pb2_grpc as lg
 
 from tests.fake_vllm import BUCKET, SHAPES, replica, weights
 
-METAS = [ws.TensorMeta(n, "float32", s) for n, s in SHAPES.items()]
+METAS = [TensorMeta(n, "float32", s) for n, s in SHAPES.items()]
 METRICS = ("loss", "kl", "entropy", "clip_fraction", "grad_norm", "lr", "step_seconds")
 
 
@@ -56,8 +57,7 @@ class FakeCore:
         self.trainer.version += 1
         return {**dict.fromkeys(METRICS, 0.0), "tokens": 1, "samples": 1}
 
-    def push(self, bucket_bytes, dtype, sinks, transport_only=False):
-        buckets = ws.plan_buckets(METAS, bucket_bytes)
+    def push(self, buckets, sinks, transport_only=False):
         w = weights(float(self.trainer.version))
         return send_buckets(buckets, ([w[m.name] for m in b.tensors] for b in buckets), sinks)
 
@@ -122,7 +122,7 @@ def _read_checksums(request: g.UpdateWeightsRequest) -> list[int]:
             table.wait(i, request.shm.push_id, time.monotonic() + 30)
             buf = torch.empty(b.nbytes, dtype=torch.uint8)
             seg.read_into(o, buf)
-            sums.append(ws.checksum(buf))
+            sums.append(checksum(buf))
         return sums
     finally:
         seg.close()
@@ -236,12 +236,12 @@ async def test_an_answer_naming_another_version_is_data_loss_naming_the_replica(
 
 _MEMBER = """
 import os, sys, torch
-from relayrl.common import weightsync as ws
+from relayrl.common.weightsync.group import broadcast, open_group_with_store
 port, world, rank, nbytes = (int(a) for a in sys.argv[1:])
-pg = ws.open_group_with_store("127.0.0.1", port, world, rank, "gloo", 60)
+pg = open_group_with_store("127.0.0.1", port, world, rank, "gloo", 60)
 print("joined", flush=True)
 sys.stdin.readline()  # a push begins
-ws.broadcast(pg, torch.empty(nbytes, dtype=torch.uint8))
+broadcast(pg, torch.empty(nbytes, dtype=torch.uint8))
 os._exit(1)  # killed after its first bucket, as the e2e test kills gen-1
 """
 
@@ -259,7 +259,7 @@ class DyingMember(StandIn):
 
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", _MEMBER, str(request.master_port), str(request.world_size), str(request.rank),
-            str(ws.plan_buckets(METAS, BUCKET)[0].nbytes),
+            str(plan_buckets(METAS, BUCKET)[0].nbytes),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         )  # fmt: skip
         assert (await self.proc.stdout.readline()).strip() == b"joined"

@@ -8,10 +8,12 @@ import os
 
 import pytest
 import torch
-from relayrl.common import weightsync as ws
 from relayrl.common.placement import host_id
-from relayrl.common.shm import ROOT, ReadyTable, Segment, valid_name
-from relayrl.learner.transports import Place, choose
+from relayrl.common.weightsync.buckets import checksum, pack, unpack
+from relayrl.common.weightsync.group import open_group_with_store
+from relayrl.common.weightsync.plan import TensorMeta, plan_buckets
+from relayrl.common.weightsync.shm import ROOT, ReadyTable, Segment, valid_name
+from relayrl.common.weightsync.transports import Place, choose
 
 CPU_A, CPU_B = Place("host-a", "cpu"), Place("host-b", "cpu")
 GPU0_A = Place("host-a", "cuda", ("GPU-0",))
@@ -52,13 +54,13 @@ def _read(name: str, offset: int, n: int, out) -> None:
 
 
 def test_a_segment_made_here_is_read_by_another_process_and_gone_when_closed():
-    metas = [ws.TensorMeta("a", "float32", (3,)), ws.TensorMeta("b", "int64", (2,))]
-    (bucket,) = ws.plan_buckets(metas, 1 << 20)
+    metas = [TensorMeta("a", "float32", (3,)), TensorMeta("b", "int64", (2,))]
+    (bucket,) = plan_buckets(metas, 1 << 20)
     seg = Segment.create(bucket.nbytes + 64)
     try:
         tensors = [torch.tensor([1.5, -2.0, 3.25]), torch.tensor([7, 9])]
-        buf = ws.pack(bucket, tensors, out=seg.view()[64 : 64 + bucket.nbytes])
-        assert ws.checksum(buf) == ws.checksum(ws.pack(bucket, tensors))
+        buf = pack(bucket, tensors, out=seg.view()[64 : 64 + bucket.nbytes])
+        assert checksum(buf) == checksum(pack(bucket, tensors))
         q = mp.get_context("spawn").Queue()
         p = mp.get_context("spawn").Process(target=_read, args=(seg.name, 64, bucket.nbytes, q))
         p.start()
@@ -66,7 +68,7 @@ def test_a_segment_made_here_is_read_by_another_process_and_gone_when_closed():
         p.join(30)
         assert data == bytes(buf.tolist()) and their_host == host_id()
         assert [
-            t.tolist() for _, t in ws.unpack(bucket, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            t.tolist() for _, t in unpack(bucket, torch.frombuffer(bytearray(data), dtype=torch.uint8))
         ] == [
             [1.5, -2.0, 3.25],
             [7, 9],
@@ -94,7 +96,7 @@ def test_a_dead_creators_segment_is_removed_by_the_next_one():
     import sys
 
     child = subprocess.run(
-        [sys.executable, "-c", "from relayrl.common.shm import Segment; print(Segment.create(4096, 't').name)"],
+        [sys.executable, "-c", "from relayrl.common.weightsync.shm import Segment; print(Segment.create(4096, 't').name)"],
         capture_output=True, text=True, check=True, timeout=60,
     )  # fmt: skip
     name = child.stdout.strip()  # its creator exited without closing it (as a killed learner would)
@@ -120,7 +122,7 @@ def _wait_all(name: str, n: int, size: int, push_id: int, out) -> None:
                 got.append(str(e))
                 break
             seg.read_into(64 + i * size, data)
-            got.append((expected, ws.checksum(data), _time.monotonic()))
+            got.append((expected, checksum(data), _time.monotonic()))
         out.put(got)
     finally:
         seg.close()
@@ -146,20 +148,20 @@ def test_a_pipelined_push_is_read_bucket_by_bucket_as_the_ready_table_marks_them
         for i in range(n):
             data = view[64 + i * size : 64 + (i + 1) * size]
             data.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
-            table.mark(i, 2, ws.checksum(data))
+            table.mark(i, 2, checksum(data))
             marked.append(time.monotonic())
             time.sleep(0.5)
         got = q.get(timeout=60)
         p.join(30)
         assert [(e, c) for e, c, _ in got] == [
-            (ws.checksum(view[64 + i * size : 64 + (i + 1) * size]),) * 2 for i in range(n)
+            (checksum(view[64 + i * size : 64 + (i + 1) * size]),) * 2 for i in range(n)
         ]
         # bucket 0 was read before bucket 2 had been written: the reader did not wait for all
         assert got[0][2] < marked[2]
 
         p = ctx.Process(target=_wait_all, args=(seg.name, n, size, 3, q))
         p.start()
-        table.mark(0, 3, ws.checksum(view[64 : 64 + size]))
+        table.mark(0, 3, checksum(view[64 : 64 + size]))
         table.abort(3)
         got = q.get(timeout=60)
         p.join(30)
@@ -184,10 +186,10 @@ def test_waiting_for_a_bucket_never_marked_ends_at_the_deadline():
 
 _RECEIVER = """
 import os, sys, torch
-from relayrl.common import groupwait
-from relayrl.common import weightsync as ws
+from relayrl.common.weightsync import groupwait
+from relayrl.common.weightsync.group import open_group_with_store
 rank, port, n, size, die = (int(a) for a in sys.argv[1:])
-pg, store = ws.open_group_with_store("127.0.0.1", port, 3, rank, "gloo", timeout_s=120)
+pg, store = open_group_with_store("127.0.0.1", port, 3, rank, "gloo", timeout_s=120)
 buf = torch.empty(size, dtype=torch.uint8)
 for i in range(n):
     try:
@@ -232,11 +234,11 @@ def test_a_broadcast_that_loses_a_member_frees_the_others_at_once():
         for r in (1, 2)
     ]
     try:
-        pg, store = ws.open_group_with_store("127.0.0.1", port, 3, 0, "gloo", timeout_s=120)
+        pg, store = open_group_with_store("127.0.0.1", port, 3, 0, "gloo", timeout_s=120)
         group = WeightGroup(pg, {"a": 1, "b": 2}, 3, store=store)
         del pg, store
-        metas = [ws.TensorMeta(f"w{i}", "uint8", (size,)) for i in range(n)]
-        buckets = ws.plan_buckets(metas, size)
+        metas = [TensorMeta(f"w{i}", "uint8", (size,)) for i in range(n)]
+        buckets = plan_buckets(metas, size)
         assert len(buckets) == n
 
         def items():
@@ -266,7 +268,7 @@ def test_a_receive_stops_within_a_second_of_the_abandon_mark():
     import threading
     import time
 
-    from relayrl.common import groupwait
+    from relayrl.common.weightsync import groupwait
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -274,7 +276,7 @@ def test_a_receive_stops_within_a_second_of_the_abandon_mark():
     opened: dict = {}
 
     def join(rank: int) -> None:
-        opened[rank] = ws.open_group_with_store("127.0.0.1", port, 2, rank, "gloo", timeout_s=10)
+        opened[rank] = open_group_with_store("127.0.0.1", port, 2, rank, "gloo", timeout_s=10)
 
     t = threading.Thread(target=join, args=(1,))
     t.start()
@@ -297,7 +299,7 @@ def test_a_receive_stops_within_a_second_of_the_abandon_mark():
 def test_a_retired_group_is_dropped_after_the_delay_and_not_before():
     import time
 
-    from relayrl.common import groupwait
+    from relayrl.common.weightsync import groupwait
 
     holder = [object()]
     groupwait.retire(holder, after_s=0.3)
@@ -363,7 +365,7 @@ def test_a_missing_segment_is_a_value_error_naming_it():
 
 _TRUNCATED_READER = """
 import sys, time
-from relayrl.common.shm import ReadyTable, Segment
+from relayrl.common.weightsync.shm import ReadyTable, Segment
 seg = Segment.attach(sys.argv[1])
 table = ReadyTable(seg, 0, 4)
 print("open", flush=True)

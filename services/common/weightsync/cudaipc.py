@@ -6,12 +6,15 @@ storage's offset and size in it, torch's reference counter and an event to wait 
 ``open_shared(fields, device)`` rebuilds a tensor over the same memory in another process, on the
 device index that process gives the same GPU (the learner and a generator may number it
 differently; the caller checks the GPU's UUID). The sender keeps ``buf`` alive and unchanged
-until the receiver says it is done with it.
+until the receiver says it is done with it. ``shared_to_proto`` / ``shared_from_proto``: the same fields as a
+``relayrl.common.v1.CudaIpcBuffer``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from relayrl.common.v1 import common_pb2
 
 FIELDS = (
     "handle",
@@ -84,3 +87,11 @@ def open_shared(s: Shared, device: int):
         s.event_handle or None, s.event_sync_required,
     )  # fmt: skip
     return t
+
+
+def shared_to_proto(s: Shared) -> common_pb2.CudaIpcBuffer:
+    return common_pb2.CudaIpcBuffer(**{f: getattr(s, f) for f in FIELDS})
+
+
+def shared_from_proto(p: common_pb2.CudaIpcBuffer) -> Shared:
+    return Shared(**{f: getattr(p, f) for f in FIELDS})

@@ -65,7 +65,7 @@ def ray_overrides(args: argparse.Namespace) -> list[str]:
 
 def launch_ray(args: argparse.Namespace) -> int:
     cfg, resume_dir = _experiment(args, ray_overrides(args))
-    from relayrl.coordinator.ray_launch import launch
+    from relayrl.coordinator.ray.launch import launch
 
     launch(cfg, resume_dir=resume_dir)
     return 0

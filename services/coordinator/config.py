@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from relayrl.common.config import StrictModel
 from relayrl.common.serving import ClientSecurity, ServeConfig
-from relayrl.coordinator.ray_config import RaySection
+from relayrl.coordinator.ray.config import RaySection
 from relayrl.generator.config import GeneratorConfig
 from relayrl.learner.config import LearnerConfig
 from relayrl.reward.config import RewardConfig

@@ -1,5 +1,5 @@
 """The set of services one run drives, whoever started them: local processes
-(``local_services.LocalServices``, the embedded default), Ray actors (``ray_launch.RayServices``)
+(``local_services.LocalServices``, the embedded default), Ray actors (``ray.launch.RayServices``)
 or services deployed elsewhere (``DeployedServices``: addresses from the experiment)."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
-from relayrl.coordinator.token_advantages import kl_penalty
+from relayrl.coordinator.algorithms.token_advantages import kl_penalty
 from relayrl.learner.config import K3_BOUND, LossConfig
 from relayrl.learner.losses import LossInputs, Totals, kl_estimate, policy_loss, value_loss
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from relayrl.coordinator import ray_launch
+from relayrl.coordinator.ray import launch as ray_launch
 from relayrl.coordinator.config import ExperimentConfig
-from relayrl.coordinator.ray_launch import TIMED_OUT, RankLiveness, RayServices, poll_outcome
+from relayrl.coordinator.ray.launch import TIMED_OUT, RankLiveness, RayServices, poll_outcome
 
 
 def _cfg(**ray) -> ExperimentConfig:

@@ -9,7 +9,7 @@ import pytest
 from relayrl.common.config import ConfigError
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.derive import load_experiment
-from relayrl.coordinator.ray_plan import Slot, assign_ranks, needs, plan
+from relayrl.coordinator.ray.plan import Slot, assign_ranks, needs, plan
 
 
 def _cfg(**sections) -> ExperimentConfig:
@@ -116,7 +116,7 @@ def test_address_flag_becomes_ray_address(tmp_path):
 
 
 def test_launch_refuses_service_addresses():
-    from relayrl.coordinator.ray_launch import launch
+    from relayrl.coordinator.ray.launch import launch
 
     cfg = _cfg(services={"generators": ["g:1"], "rewards": ["r:1"], "learner": "l:1"})
     with pytest.raises(SystemExit, match="starts the services itself"):

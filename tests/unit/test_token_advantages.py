@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from relayrl.coordinator.token_advantages import (
+from relayrl.coordinator.algorithms.token_advantages import (
     adaptive_kl_coef,
     discounted_returns,
     gae,

@@ -5,7 +5,7 @@ actor's loss (``learner.loss.kl_coef``, its reference in-process), not in the re
 
 from __future__ import annotations
 
-from relayrl.coordinator.advantages import advantages
+from relayrl.coordinator.algorithms.advantages import advantages
 from relayrl.coordinator.algorithms.base import Algorithm, TrainBatch
 from relayrl.coordinator.batch import Rollout, fresh_groups, train_sample
 from relayrl.coordinator.config import ExperimentConfig

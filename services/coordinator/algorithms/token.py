@@ -16,7 +16,7 @@ from relayrl.coordinator.algorithms.base import Algorithm, TrainBatch
 from relayrl.coordinator.batch import Rollout, fresh_groups, nothing, train_sample
 from relayrl.coordinator.clients import LearnerClient, version_of
 from relayrl.coordinator.config import ExperimentConfig
-from relayrl.coordinator.token_advantages import (
+from relayrl.coordinator.algorithms.token_advantages import (
     adaptive_kl_coef,
     explained_variance,
     kl_penalty,

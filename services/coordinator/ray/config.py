@@ -1,5 +1,5 @@
 """The ``ray`` section of an experiment: placement of the services on a Ray cluster, read by
-``relayrl launch ray`` (``ray_plan.py``, ``ray_launch.py``) and ignored by ``relayrl run``."""
+``relayrl launch ray`` (``ray/plan.py``, ``ray/launch.py``) and ignored by ``relayrl run``."""
 
 from __future__ import annotations
 

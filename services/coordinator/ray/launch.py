@@ -1,9 +1,9 @@
 """``relayrl launch ray``: an experiment whose services run as Ray actors on a Ray cluster.
 
 Flow: join the cluster (``ray.address``; none: a private one-node instance on loopback) -> reserve
-two placement groups (``ray_plan.plan``: one bundle per learner rank, one per generator and
+two placement groups (``ray.plan.plan``: one bundle per learner rank, one per generator and
 reward replica) -> one ``ServiceHost`` actor per bundle -> number the learner ranks from where
-their bundles landed (``ray_plan.assign_ranks``) and start one DeepSpeed rank per actor, rank 0
+their bundles landed (``ray.plan.assign_ranks``) and start one DeepSpeed rank per actor, rank 0
 serving gRPC; start ``relayrl serve generator|reward`` in the other actors, bound to their node's
 IP -> collect the announced addresses -> the coordinator loop runs in this process exactly as
 ``relayrl run`` does (progress, ``relayrl status``, metrics, checkpoints) -> stop the processes,
@@ -32,7 +32,7 @@ from pathlib import Path
 from relayrl.common import config as cfg_mod
 from relayrl.coordinator.config import ExperimentConfig, RaySection
 from relayrl.coordinator.local_services import learner_section
-from relayrl.coordinator.ray_plan import GroupPlan, Slot, assign_ranks, needs, plan
+from relayrl.coordinator.ray.plan import GroupPlan, Slot, assign_ranks, needs, plan
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ class RayServices:
         """A ``ServiceHost`` holding the whole of bundle ``index`` (so Ray hands it the bundle's GPUs)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        from relayrl.coordinator.ray_actor import ServiceHost
+        from relayrl.coordinator.ray.actor import ServiceHost
 
         with self._lock:
             if self._stopping.is_set():

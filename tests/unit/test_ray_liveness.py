@@ -7,8 +7,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from relayrl.coordinator.ray import launch as ray_launch
 from relayrl.coordinator.config import ExperimentConfig
+from relayrl.coordinator.ray import launch as ray_launch
 from relayrl.coordinator.ray.launch import TIMED_OUT, RankLiveness, RayServices, poll_outcome
 
 

@@ -13,15 +13,15 @@ from collections.abc import Mapping
 
 import numpy as np
 from relayrl.coordinator.algorithms.base import Algorithm, TrainBatch
-from relayrl.coordinator.batch import Rollout, fresh_groups, nothing, train_sample
-from relayrl.coordinator.clients import LearnerClient, version_of
-from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.algorithms.token_advantages import (
     adaptive_kl_coef,
     explained_variance,
     kl_penalty,
     token_advantages,
 )
+from relayrl.coordinator.batch import Rollout, fresh_groups, nothing, train_sample
+from relayrl.coordinator.clients import LearnerClient, version_of
+from relayrl.coordinator.config import ExperimentConfig
 from relayrl.learner.v1 import learner_pb2 as lp
 
 

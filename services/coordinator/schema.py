@@ -26,6 +26,7 @@ SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 SCHEMA_PATH = "schemas/experiment.schema.json"
 """Where ``scripts/gen_protos.py`` writes the schema, relative to the repository."""
 
+
 def experiment_schema() -> dict[str, Any]:
     """The JSON Schema (draft 2020-12) of an experiment file: ``ExperimentConfig``'s, with what
     pydantic cannot say from a type alone: ``algorithm.advantage`` is one of the names the

@@ -27,7 +27,7 @@ from relayrl.generator.engine import (
     prompt_seed,
     within,
 )
-from relayrl.generator.vllm_weights import WeightSwaps, _Sync
+from relayrl.generator.vllm_weights import WeightSwaps, Worker, _Sync
 
 logger = logging.getLogger(__name__)
 SHUTDOWN_CLOSE_S = 5.0  # at shutdown, leaving the weight-sync group takes milliseconds or never ends
@@ -95,7 +95,7 @@ class VLLMEngine(WeightSwaps):
         mc = self._llm.model_config
         self.max_model_len = mc.max_model_len
         self.vocab_size = mc.get_vocab_size()
-        self._gpu_uuids = tuple(u for u in await self._llm.collective_rpc("relayrl_identity") if u)
+        self._gpu_uuids = tuple(u for u in await self._llm.collective_rpc(Worker.IDENTITY) if u)
 
     async def shutdown(self) -> None:
         if self._llm is not None:

@@ -31,6 +31,24 @@ ENGINE_CALL_S = 60.0
 """Longest wait for a control call into vLLM (pause, resume, cache reset, leaving a group): they
 take milliseconds, or never end when the EngineCore is dead (``died`` reports that)."""
 
+
+class Worker:
+    """Names of the methods of ``worker_ext.WeightSyncExtension`` this engine calls in vLLM's
+    workers. ``collective_rpc`` takes a method's name (a string crosses into the EngineCore;
+    a function would have to be pickled), so every name is spelled here once, and
+    ``tests/unit/test_worker_methods.py`` checks that each is a method of the extension."""
+
+    IDENTITY = "relayrl_identity"
+    OPEN_GROUP = "relayrl_open_group"
+    CLOSE_GROUP = "relayrl_close_group"
+    PROBE_SHM = "relayrl_probe_shm"
+    PROBE_IPC = "relayrl_probe_ipc"
+    RECEIVE = "relayrl_receive"
+    READ_SHM = "relayrl_read_shm"
+    READ_IPC = "relayrl_read_ipc"
+    LOAD_BYTES = "relayrl_load_bytes"
+
+
 _STATUS = {"invalid": InvalidRequest, "data_loss": DataLoss, "unavailable": Unavailable}
 _OPENINGS = itertools.count(1)
 """Ids of group openings in this process: a receive names the group its push was sent on."""
@@ -88,9 +106,9 @@ class WeightSwaps:
             return await self._open_group(spec)
         try:  # every worker opens the probe: a transport that cannot work fails here, not at a push
             if spec.transport == "shm":
-                args = ("relayrl_probe_shm", (spec.shm_probe, spec.probe_checksum))
+                args = (Worker.PROBE_SHM, (spec.shm_probe, spec.probe_checksum))
             else:
-                args = ("relayrl_probe_ipc", (asdict(spec.ipc_probe), spec.probe_checksum))
+                args = (Worker.PROBE_IPC, (asdict(spec.ipc_probe), spec.probe_checksum))
             await within(self._llm.collective_rpc(args[0], args=args[1]), ENGINE_CALL_S, "reading the probe")
         except Exception as e:
             raise FailedPrecondition(f"{spec.transport} cannot reach this replica: {e}") from None
@@ -114,7 +132,7 @@ class WeightSwaps:
             spec.timeout_s,
         )
         opening = next(_OPENINGS)
-        join = self._llm.collective_rpc("relayrl_open_group", args=(*args, spec.group_name, opening))
+        join = self._llm.collective_rpc(Worker.OPEN_GROUP, args=(*args, spec.group_name, opening))
         try:  # the worker's join ends at the group's timeout; past that (and a margin) vLLM is stuck
             await within(join, spec.timeout_s + ENGINE_CALL_S, "joining the group")
         except Exception as e:  # the request was checked: what is left is the rendezvous failing
@@ -129,7 +147,7 @@ class WeightSwaps:
             transport, self._sync = self._sync.transport, None
             if transport in ("gloo", "nccl"):
                 self._running()
-                leave = self._llm.collective_rpc("relayrl_close_group")
+                leave = self._llm.collective_rpc(Worker.CLOSE_GROUP)
                 try:
                     await within(leave, ENGINE_CALL_S, "leaving the group")
                 except Exception as e:  # closed here already; the worker leaves it at its next join
@@ -150,12 +168,12 @@ class WeightSwaps:
         if source is None:
             # Named by the group open now: the receive may run later (behind a swap or vLLM's
             # pause), after the learner gave this push up and opened a new group for another.
-            return "relayrl_receive", (self._sync.opening,)
+            return Worker.RECEIVE, (self._sync.opening,)
         if transport == "shm" and source.shm_segment:
             if len(source.shm_offsets) != len(buckets):
                 raise InvalidRequest(f"{len(source.shm_offsets)} shm offsets for {len(buckets)} buckets")
             ready = (source.shm_push_id, source.shm_ready_offset, self._sync.timeout_s)
-            return "relayrl_read_shm", (source.shm_segment, list(source.shm_offsets), *ready)
+            return Worker.READ_SHM, (source.shm_segment, list(source.shm_offsets), *ready)
         if transport == "ipc" and source.ipc:
             if len(source.ipc) != len(buckets):
                 raise InvalidRequest(f"{len(source.ipc)} IPC buffers for {len(buckets)} buckets")
@@ -165,7 +183,7 @@ class WeightSwaps:
                 raise InvalidRequest(
                     f"ipc.buffers[{bad[0]}] does not hold its bucket's {buckets[bad[0]].nbytes} bytes"
                 )
-            return "relayrl_read_ipc", ([asdict(x) for x in source.ipc],)
+            return Worker.READ_IPC, ([asdict(x) for x in source.ipc],)
         raise InvalidRequest(f"the open weight sync is {transport}: the request names no {transport} buffers")
 
     async def update_weights(
@@ -218,7 +236,7 @@ class WeightSwaps:
         named = [(m.name, from_bytes(d, m)) for m, (*_, d) in zip(metas, items, strict=True)]
         if bad := await asyncio.to_thread(non_finite, named):  # a pass over every byte: off the loop
             raise InvalidRequest(f"{bad}: holds NaN or infinite values; weights unchanged")
-        return await self._swap_in(version, "relayrl_load_bytes", (items,))
+        return await self._swap_in(version, Worker.LOAD_BYTES, (items,))
 
     async def _rpc(self, method: str, args: tuple) -> list[dict]:
         """A load-sized call into the workers. Its own length is bounded inside them (the group's

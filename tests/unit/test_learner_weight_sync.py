@@ -211,7 +211,7 @@ async def test_a_replica_silent_after_a_push_is_named_the_others_load_and_traini
         push = stub.PushWeights(lp.PushWeightsRequest(version=1))
         await asyncio.wait_for(silent.called["update"].wait(), 30)
         assert (await stub.TrainStep(lp.TrainStepRequest(step=2), timeout=30)).step == 2
-        segment = sync.staging._segment.name
+        segment = sync.kinds["shm"]._segment.name
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await asyncio.wait_for(push, 60)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -219,7 +219,7 @@ async def test_a_replica_silent_after_a_push_is_named_the_others_load_and_traini
         st = await good.stub.GetStatus(g.GetStatusRequest())
         assert (st.ready, st.policy_version) == (True, 1)
         assert all(torch.equal(good.params[n], t) for n, t in weights(1.0).items())
-        assert sync.staging._segment is None or sync.staging._segment.name != segment
+        assert sync.kinds["shm"]._segment is None or sync.kinds["shm"]._segment.name != segment
 
 
 async def test_an_answer_naming_another_version_is_data_loss_naming_the_replica(tmp_path):

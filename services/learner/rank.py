@@ -40,7 +40,7 @@ def init_distributed() -> str:
 
             ifname = interface_toward(os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "29500")))
             if ifname:
-                # Marked as ours, so the weight-sync group does not bind it too (weightsync.py).
+                # Marked as ours, so the weight-sync group does not bind it too (weightsync/group.py).
                 os.environ["GLOO_SOCKET_IFNAME"] = os.environ[TRAINING_IFNAME_VAR] = ifname
     deepspeed.init_distributed(dist_backend=backend)
     return backend

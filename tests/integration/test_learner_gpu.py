@@ -13,7 +13,7 @@ import pytest
 from relayrl.learner.v1 import learner_pb2 as lp
 from relayrl.learner.v1 import learner_pb2_grpc as lg
 
-from tests.learner_kit import batch, torchrun
+from tests.kit.learner import batch, torchrun
 from tests.procs import service
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]

@@ -14,7 +14,7 @@ from relayrl.generator.v1 import generator_pb2_grpc as gg
 from relayrl.learner.v1 import learner_pb2 as lp
 from relayrl.learner.v1 import learner_pb2_grpc as lg
 
-from tests.learner_kit import batch, torchrun
+from tests.kit.learner import batch, torchrun
 from tests.procs import service
 
 pytestmark = pytest.mark.slow

@@ -118,7 +118,7 @@ def test_the_loop_runs_across_four_hosts(model, tmp_path):
         pytest.skip(why)
     from relayrl.coordinator.launcher import ServiceProcess
 
-    from tests.pki import CA
+    from tests.kit.pki import CA
 
     pki = tmp_path / "pki"
     pki.mkdir()

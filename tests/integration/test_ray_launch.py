@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+from tests.kit.net import free_port
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'relayrl[ray]')")
@@ -57,19 +58,13 @@ score.data_sources = ["reverse"]
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ray_head():
     """``ray start --head --block`` on loopback with 4 logical CPUs; stopped by its handle."""
     pytest.importorskip("vllm")
     pytest.importorskip("deepspeed")
     temp = tempfile.mkdtemp(prefix="rr-", dir="/tmp")  # short: Ray's unix sockets live under it
-    port = _free_port()
+    port = free_port()
     # Ray's one-machine mode keeps the node address on loopback (else the head takes the host's IP).
     # Token authentication as on a real cluster, with a token of this test's own.
     token = Path(temp) / "auth_token"

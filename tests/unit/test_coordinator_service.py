@@ -13,12 +13,11 @@ import contextlib
 import os
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import grpc
 import pytest
 import yaml
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from relayrl.common.data.dataset import write_rows
 from relayrl.common.data.tasks import generate
 from relayrl.common.grpc_server import start
@@ -27,6 +26,9 @@ from relayrl.coordinator.registry import Registry
 from relayrl.coordinator.server import build
 from relayrl.coordinator.v1 import coordinator_pb2 as cp
 from relayrl.coordinator.v1 import coordinator_pb2_grpc as cpg
+
+from tests.kit.serving import client
+from tests.kit.waits import error_of
 
 NOWHERE = "127.0.0.1:1"  # nothing listens: calls fail at once with UNAVAILABLE
 
@@ -67,28 +69,23 @@ async def coordinator(root: Path, **config):
     registry = Registry(max_running=cfg.max_running)
     handle = build(registry, cfg)
     await start(handle, ready=True)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}")
     try:
-        yield SimpleNamespace(
-            stub=cpg.CoordinatorServiceStub(channel),
-            health=health_pb2_grpc.HealthStub(channel),
-            registry=registry,
-            root=root,
-        )
+        async with client(handle, cpg.CoordinatorServiceStub, registry=registry, root=root) as c:
+            try:
+                yield c
+            finally:
+                tasks = [h.task for h in registry.experiments.values() if h.task is not None]
+                if tasks:  # a run stopped before its first step ends as a cancelled task
+                    await asyncio.wait(tasks, timeout=30)
     finally:
-        tasks = [h.task for h in registry.experiments.values() if h.task is not None]
-        if tasks:  # a run stopped before its first step ends as a cancelled task
-            await asyncio.wait(tasks, timeout=30)
-        await channel.close()
         await handle.stop(0)
 
 
 async def refused(call, code=grpc.StatusCode.INVALID_ARGUMENT) -> str:
-    with pytest.raises(grpc.aio.AioRpcError) as e:
-        await call
-    assert e.value.code() == code, e.value.details()
-    assert len(e.value.details()) < 1100
-    return e.value.details()
+    err = await error_of(call)
+    assert err.code() == code, err.details()
+    assert len(err.details()) < 1100
+    return err.details()
 
 
 async def still_serving(c) -> None:

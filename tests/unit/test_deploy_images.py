@@ -25,7 +25,7 @@ from relayrl.common.healthcheck import main as healthcheck_main
 from relayrl.common.serving import ClientSecurity
 from relayrl.coordinator.derive import load_experiment
 
-from tests.deploy_checks import (  # the token-env fixture applies to every test here
+from tests.kit.deploy import (  # the token-env fixture applies to every test here
     COMPOSE_DIR,
     COMPOSE_SECRETS,
     DOCKERFILE,
@@ -48,6 +48,7 @@ from tests.deploy_checks import (  # the token-env fixture applies to every test
     score,
     secret_paths,
 )
+from tests.kit.net import free_port
 
 
 @pytest.fixture(scope="module")
@@ -96,12 +97,9 @@ def test_healthcheck_exit_codes(health_server, capsys):
 
 
 def test_healthcheck_fails_within_its_deadline_when_nothing_listens():
-    import socket
     import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     t0 = time.monotonic()
     assert healthcheck_main([f"127.0.0.1:{port}", "--timeout", "1"]) == 1
     assert time.monotonic() - t0 < 5

@@ -20,7 +20,7 @@ from relayrl.common import security
 from relayrl.common.serving import ClientSecurity
 from relayrl.coordinator.derive import load_experiment
 
-from tests.deploy_checks import (  # the token-env fixture applies to every test here
+from tests.kit.deploy import (  # the token-env fixture applies to every test here
     FULL_NAME,
     K8S,
     K8S_SECRETS,

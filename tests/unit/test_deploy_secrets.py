@@ -24,7 +24,7 @@ from relayrl.common import security
 from relayrl.common.healthcheck import main as healthcheck_main
 from relayrl.common.serving import ServeConfig
 
-from tests.deploy_checks import (  # the token-env fixture applies to every test here
+from tests.kit.deploy import (  # the token-env fixture applies to every test here
     FULL_NAME,
     SECRET_FILES,
     _no_token_env,  # noqa: F401

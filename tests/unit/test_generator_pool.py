@@ -18,7 +18,7 @@ from relayrl.generator.v1 import generator_pb2 as g
 from relayrl.reward.v1 import reward_pb2 as rw
 from relayrl.reward.v1 import reward_pb2_grpc as rwg
 
-from tests.unit.test_generator_servicer import FakeEngine, serving
+from tests.kit.generator import FakeEngine, serving
 
 
 def _prompts(k: int) -> list[common_pb2.Prompt]:

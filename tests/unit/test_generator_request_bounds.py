@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2
 from relayrl.common.v1 import common_pb2 as c
 from relayrl.generator.v1 import generator_pb2 as g
 
-from tests.unit.test_generator_servicer import FakeEngine, serving
+from tests.kit.generator import FakeEngine, serving
 
 
 async def test_a_prompt_longer_than_the_context_is_refused_before_its_ids_are_read():

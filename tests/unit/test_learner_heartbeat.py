@@ -1,5 +1,5 @@
 """Learner ranks never wait on each other for ever: two real processes over gloo on loopback
-(``tests/learner_ranks.py``: the command channel and the heartbeat, no model). A rank that stops
+(``tests/kit/learner_ranks.py``: the command channel and the heartbeat, no model). A rank that stops
 answering (SIGSTOP: hung, or cut off without its connections closing) makes the other exit with
 status 1 and the reason within the heartbeat's bound; rank 0's last command at shutdown is
 bounded too; a clean stop exits 0."""
@@ -7,28 +7,23 @@ bounded too; a clean stop exits 0."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from tests.kit.net import free_port
 
 pytest.importorskip("torch.distributed")
 
 BOUND = 90  # seconds: far past the 3 s heartbeat, for a loaded 2-core machine
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_ranks(heartbeat: float) -> list[subprocess.Popen]:
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.learner_ranks", str(rank), str(port), str(heartbeat)],
+            [sys.executable, "-m", "tests.kit.learner_ranks", str(rank), str(port), str(heartbeat)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import pytest
 from relayrl.coordinator.config import ExperimentConfig
@@ -18,6 +17,7 @@ from relayrl.coordinator.loop import Experiment
 from relayrl.coordinator.rollouts import SingleTurn
 
 from tests.kit.loop import Generators, Learner, Rewards
+from tests.kit.net import free_port
 
 
 def _experiment(tmp_path, steps=4, checkpoint_every=2, **schedule) -> Experiment:
@@ -179,9 +179,7 @@ async def test_a_failed_call_names_the_service_and_the_call():
     from relayrl.coordinator.clients import LearnerClient
     from relayrl.coordinator.errors import describe
 
-    with socket.socket() as s:  # a port where nothing listens
-        s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
+    address = f"127.0.0.1:{free_port()}"  # a port where nothing listens
     critic = LearnerClient(address, 5.0, name="critic")
     try:
         with pytest.raises(grpc.aio.AioRpcError) as e:  # still the gRPC error callers act on

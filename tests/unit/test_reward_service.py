@@ -14,7 +14,6 @@ import contextlib
 import json
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -29,9 +28,11 @@ from relayrl.reward.v1 import reward_pb2 as r
 from relayrl.reward.v1 import reward_pb2_grpc
 from relayrl.reward.worker import PluginError
 
+from tests.kit.serving import client
+from tests.kit.waits import error_of, until, until_blocking
 from tests.procs import service
 
-PLUGINS = [f"tests.reward_plugins:{f}" for f in ("length", "raises", "hangs", "garbage", "dies")]
+PLUGINS = [f"tests.kit.reward_plugins:{f}" for f in ("length", "raises", "hangs", "garbage", "dies")]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 COUNTDOWN_GT = json.dumps({"target": 24, "numbers": [3, 4, 6, 8]})
 
@@ -43,17 +44,10 @@ async def serving(workers: int = 2, plugins=PLUGINS, **config):
     await start(handle, ready=False)
     await pool.start()
     await handle.set_ready(True)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}")
     try:
-        yield SimpleNamespace(
-            pool=pool,
-            handle=handle,
-            channel=channel,
-            stub=reward_pb2_grpc.RewardServiceStub(channel),
-            health=health_pb2_grpc.HealthStub(channel),
-        )
+        async with client(handle, reward_pb2_grpc.RewardServiceStub, pool=pool) as s:
+            yield s
     finally:
-        await channel.close()
         await handle.stop(0)
 
 
@@ -77,19 +71,6 @@ def item(
 
 def countdown(sample_id: str, answer: str = "(8 - 6) * 3 * 4") -> r.RewardInput:
     return item(sample_id, "countdown", f"<think>..</think>\n<answer>{answer}</answer>", COUNTDOWN_GT)
-
-
-async def error_of(awaitable) -> grpc.aio.AioRpcError:
-    with pytest.raises(grpc.aio.AioRpcError) as e:
-        await awaitable
-    return e.value
-
-
-async def until(pred, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
 
 
 def counted(source: str, status: str) -> float:
@@ -159,7 +140,7 @@ async def test_a_dying_worker_is_an_error_and_is_replaced(svc):
 
 @in_module_loop
 async def test_a_hung_sample_does_not_hold_up_other_calls(svc):
-    await until(lambda: svc.pool.live_workers == 2)  # earlier tests had workers replaced
+    await until(lambda: svc.pool.live_workers == 2, timeout=10)  # earlier tests had workers replaced
     hung = asyncio.ensure_future(
         svc.stub.Score(r.ScoreRequest(items=[item("hang", "test/hang")], timeout_seconds=3.0))
     )
@@ -210,7 +191,7 @@ async def test_queued_samples_are_capped_with_resource_exhausted():
         )
         hung = asyncio.ensure_future(s.stub.Score(two_hung))
         await until(
-            lambda: REGISTRY.get_sample_value("relayrl_reward_samples_pending") == 2
+            lambda: REGISTRY.get_sample_value("relayrl_reward_samples_pending") == 2, timeout=10
         )  # it holds 2 places
         err = await error_of(s.stub.Score(r.ScoreRequest(items=[countdown("a"), countdown("b")])))
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_pending_items 3" in err.details()
@@ -242,7 +223,7 @@ async def test_list_scorers_names_builtins_and_plugins(svc):
     for builtin in ("countdown", "arithmetic", "reverse", "gsm8k", "openai/gsm8k", "math", "lighteval/MATH",
                     "DigitalLearningGmbH/MATH-lighteval"):  # fmt: skip
         assert not by[builtin].from_plugin and by[builtin].origin.startswith("relayrl.reward.scorers:score_")
-    assert by["test/hang"].from_plugin and by["test/hang"].origin == "tests.reward_plugins:hangs"
+    assert by["test/hang"].from_plugin and by["test/hang"].origin == "tests.kit.reward_plugins:hangs"
 
 
 @in_module_loop
@@ -255,8 +236,8 @@ async def test_health_live_and_ready(svc):
     ("plugin", "problem"),
     [
         ("tests.no_such_module:f", "cannot load: ModuleNotFoundError"),
-        ("tests.reward_plugins:missing", "cannot load: AttributeError"),
-        ("tests.reward_plugins:undeclared", "needs a data_sources attribute"),
+        ("tests.kit.reward_plugins:missing", "cannot load: AttributeError"),
+        ("tests.kit.reward_plugins:undeclared", "needs a data_sources attribute"),
     ],
 )
 @in_module_loop
@@ -264,8 +245,8 @@ async def test_plugins_that_cannot_load_stop_the_pool_from_starting(plugin, prob
     pool = ScoringPool(1, [plugin])
     with pytest.raises(PluginError, match=problem):
         await pool.start()
-    with pytest.raises(PluginError, match="already served by tests.reward_plugins:raises"):
-        await ScoringPool(1, ["tests.reward_plugins:raises", "tests.reward_plugins:raises"]).start()
+    with pytest.raises(PluginError, match="already served by tests.kit.reward_plugins:raises"):
+        await ScoringPool(1, ["tests.kit.reward_plugins:raises", "tests.kit.reward_plugins:raises"]).start()
 
 
 def test_served_process_scores_and_exits_zero_on_sigterm(tmp_path):
@@ -289,10 +270,9 @@ def test_served_process_scores_and_exits_zero_on_sigterm(tmp_path):
         workers = _children(proc.proc.pid)
         assert len(workers) >= 2
         assert proc.stop(grace=30) == 0  # SIGTERM to its process group, as the launcher does
-    deadline = time.monotonic() + 10
-    while any(_exists(pid) for pid in workers):
-        assert time.monotonic() < deadline, "scoring workers outlived the server"
-        time.sleep(0.1)
+    until_blocking(
+        lambda: not any(_exists(pid) for pid in workers), 10, 0.1, "scoring workers outlived the server"
+    )
 
 
 def _children(pid: int) -> list[int]:
@@ -339,13 +319,13 @@ async def test_a_replica_that_cannot_start_workers_fails_calls_unavailable_then_
         assert (
             "failed to start 3 times in a row" in err.details() and "Cannot allocate memory" in err.details()
         )
-        await until(lambda: s.pool.unready_reason is not None)
+        await until(lambda: s.pool.unready_reason is not None, timeout=10)
         assert await readiness(s) == health_pb2.HealthCheckResponse.NOT_SERVING
         later = await error_of(s.stub.Score(r.ScoreRequest(items=[countdown("d")]), timeout=30))
         assert later.code() == grpc.StatusCode.UNAVAILABLE and "cannot score" in later.details()
         s.pool._spawn = spawn  # fork works again: the replica comes back by itself
-        await until(lambda: s.pool.live_workers == 1)
-        await until(lambda: s.pool.unready_reason is None)
+        await until(lambda: s.pool.live_workers == 1, timeout=10)
+        await until(lambda: s.pool.unready_reason is None, timeout=10)
         assert await readiness(s) == SERVING
         again = await s.stub.Score(r.ScoreRequest(items=[countdown("e")]), timeout=30)
         assert again.results[0].status == r.SCORE_STATUS_OK and again.results[0].reward == 1.0
@@ -371,7 +351,7 @@ def test_error_results_carry_no_reward():
 
 def test_served_process_exits_1_when_its_workers_can_no_longer_start(tmp_path):
     marker = tmp_path / "break-the-plugin"
-    args = ["reward", "--workers", "1", "--plugin", "tests.reward_fragile:length", "--plugin", PLUGINS[4],
+    args = ["reward", "--workers", "1", "--plugin", "tests.kit.reward_fragile:length", "--plugin", PLUGINS[4],
             "--set", "respawn_failures_unready=2", "--set", "respawn_give_up_seconds=1"]  # fmt: skip
     with service(args, tmp_path, timeout=60, env={"RELAYRL_TEST_BREAK": str(marker)}) as (addr, proc):
         marker.touch()  # the plugin no longer imports: a replacement worker cannot start
@@ -413,7 +393,7 @@ async def test_closing_the_pool_fails_the_sample_being_scored_instead_of_leaving
     try:
         before = busy()
         call = asyncio.ensure_future(pool.score([ScoreItem("test/hang", "x")], timeout=60.0))
-        await until(lambda: busy() > before)  # its worker has it: being scored, no longer queued
+        await until(lambda: busy() > before, timeout=10)  # its worker has it: being scored, no longer queued
         await pool.close()
         # Before, close() cancelled the slot's driver with the sample in hand and nothing ever
         # answered it: the caller waited forever (asyncio.wait_for here timed out).

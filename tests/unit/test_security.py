@@ -28,7 +28,7 @@ from relayrl.common.serving import TOKEN_FILE_ENV, ClientSecurity, ServeConfig
 from relayrl.reward.v1 import reward_pb2 as r
 from relayrl.reward.v1 import reward_pb2_grpc
 
-from tests.pki import CA, CLIENT, certificate, new_key, write_pem
+from tests.kit.pki import CA, CLIENT, certificate, new_key, write_pem
 
 DESCRIPTOR = r.DESCRIPTOR.services_by_name["RewardService"]
 SERVICE = DESCRIPTOR.full_name

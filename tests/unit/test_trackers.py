@@ -13,6 +13,8 @@ import pytest
 from relayrl.coordinator.config import TrackingSection, WandbSection
 from relayrl.coordinator.trackers import Trackers, missing_packages
 
+from tests.kit.waits import until_blocking
+
 RECORDS = [
     {"step": 0, "time": 1.0, "eval_accuracy": 0.25},
     {"step": 1, "time": 2.0, "reward_mean": 0.5, "loss": -0.1, "critic_explained_var": float("nan")},
@@ -199,10 +201,8 @@ def test_a_tracker_that_fails_fails_the_next_call(tmp_path):
     writer.gate.set()
     trackers = slow_trackers(tmp_path, writer)
     trackers.log({"step": 1, "reward_mean": 0.5})
-    deadline = time.monotonic() + 30
-    while trackers.failure is None:  # the thread has not tried step 1 yet
-        assert time.monotonic() < deadline, "the tracker's failure was never seen"
-        time.sleep(0.01)
+    # the writer's thread tries step 1 in its own time
+    until_blocking(lambda: trackers.failure is not None, 30, 0.01, "the tracker's failure was never seen")
     with pytest.raises(RuntimeError, match="a tracker failed: OSError: disk full"):
         trackers.log({"step": 2, "reward_mean": 0.6})
     trackers.log({"step": 3, "reward_mean": 0.7})  # said once: the run decides what to do

@@ -1,6 +1,6 @@
 """Reward plugins for tests: one well-behaved, the others misbehave in each way a plugin can.
 
-Loaded by the scoring workers as ``tests.reward_plugins:<function>``; each function declares the
+Loaded by the scoring workers as ``tests.kit.reward_plugins:<function>``; each function declares the
 data sources it scores in ``data_sources``.
 """
 

@@ -1,5 +1,5 @@
 """Two learner ranks' command channel and heartbeat (``relayrl.learner.control``), without a model:
-``python -m tests.learner_ranks RANK PORT HEARTBEAT_SECONDS``, HEARTBEAT_SECONDS 0 for none.
+``python -m tests.kit.learner_ranks RANK PORT HEARTBEAT_SECONDS``, HEARTBEAT_SECONDS 0 for none.
 
 Each rank prints ``ready`` once both are connected. Rank 0 then waits for a line on stdin and
 sends the ``stop`` command within HEARTBEAT_SECONDS (or 2 s), then ends the heartbeat; the other

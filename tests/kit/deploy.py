@@ -29,7 +29,7 @@ from relayrl.generator.v1 import generator_pb2
 from relayrl.learner.v1 import learner_pb2
 from relayrl.reward.v1 import reward_pb2, reward_pb2_grpc
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 COMPOSE_DIR = DEPLOY / "compose"
 K8S = DEPLOY / "k8s"

@@ -8,7 +8,9 @@ from pathlib import Path
 
 from relayrl.learner.v1 import learner_pb2 as lp
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.kit.net import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def batch(seed: int, n: int = 6) -> list[lp.TrainSample]:
@@ -33,17 +35,12 @@ def batch(seed: int, n: int = 6) -> list[lp.TrainSample]:
 
 def torchrun(script: str, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     """Run ``tests/integration/<script>`` under torchrun with ``nproc`` ranks on a free port."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         f"--nproc_per_node={nproc}",
-        f"--master_port={port}",
+        f"--master_port={free_port()}",
     ]
     res = subprocess.run(
         [*cmd, str(ROOT / "tests/integration" / script), *args],

@@ -59,6 +59,7 @@ class VLLMEngine(WeightSwaps):
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
+        from relayrl.common.lifeline import own_engine_processes
         from relayrl.generator.vllm_stats import stat_logger_factory
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -90,6 +91,7 @@ class VLLMEngine(WeightSwaps):
             )
             kwargs["max_num_batched_tokens"] = max(2048, context)
         args = AsyncEngineArgs(**{**kwargs, **e.extra_args})
+        own_engine_processes()  # the EngineCore and its workers end with this process
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_factory(self._stats)])
         self._tokenizer = self._llm.tokenizer
         mc = self._llm.model_config

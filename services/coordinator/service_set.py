@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from relayrl.coordinator import algorithms
 from relayrl.coordinator.config import ExperimentConfig
 
 
@@ -47,7 +46,8 @@ class DeployedServices:
         self.generators = {f"gen-{i}": a for i, a in enumerate(cfg.services.generators)}
         self.rewards = {f"reward-{i}": a for i, a in enumerate(cfg.services.rewards)}
         self.learner = cfg.services.learner or ""
-        self.roles = {r: getattr(cfg.services, r) for r in algorithms.roles(cfg)}
+        # the role sections present are the roles the algorithm calls (derive.resolve_paths)
+        self.roles = {r: getattr(cfg.services, r) for r in cfg.role_sections() if r != "learner"}
 
     def start(self) -> None:
         pass

@@ -119,7 +119,9 @@ class LearnerCore:
         self.control.send({"op": "score"}, payload)
         return self.trainer.score(samples)
 
-    def push(self, buckets: list[Bucket], sinks: Sinks, transport_only: bool = False) -> tuple[int, list[int]]:
+    def push(
+        self, buckets: list[Bucket], sinks: Sinks, transport_only: bool = False
+    ) -> tuple[int, list[int]]:
         """Gather (all ranks) and send (rank 0 -> generators, over ``sinks``) every bucket of the
         push's plan (``WeightSync.push`` made it; the other ranks get it with the command);
         returns the bytes sent and each bucket's checksum. ``transport_only``: rank 0 sends zeros

@@ -69,7 +69,10 @@ def test_dotted_overrides_parse_yaml_values(tmp_path):
         ("services.learner=host:1", "give addresses for generators, rewards and learner, or none"),
         ("algorithm.kl_coef=0.1", "algorithm.kl_coef: a KL in the reward needs token-level advantages"),
         ("critic={world_size: 1}", "critic: algorithm.advantage grpo calls no critic"),
-        ("algorithm.advantage=ppo", "algorithm.advantage: 'ppo' is none of grpo, drgrpo, rloo, reinforce_pp, gae"),
+        (
+            "algorithm.advantage=ppo",
+            "algorithm.advantage: 'ppo' is none of grpo, drgrpo, rloo, reinforce_pp, gae",
+        ),
         ("algorithm.critic_warmup=2", "only algorithm.advantage gae has a critic"),
         ("learner.role=critic", "learner.role: the learner section is the actor"),
         ("schedule.eval_samples=4", "schedule.eval_samples > 1 needs schedule.eval_temperature > 0"),
@@ -204,9 +207,7 @@ def test_grpo_starts_no_critic_or_reference(tmp_path):
 
 def test_a_deployed_ppo_run_needs_the_critic_and_reference_addresses(tmp_path):
     deployed = ["services.generators=[g:1]", "services.rewards=[r:1]", "services.learner=l:1"]
-    with pytest.raises(
-        ConfigError, match="services.critic: a deployed run of gae needs its address"
-    ):
+    with pytest.raises(ConfigError, match="services.critic: a deployed run of gae needs its address"):
         load_experiment(write(tmp_path, MINIMAL), [*deployed, "algorithm.advantage=gae"])
     exp = load_experiment(
         write(tmp_path, MINIMAL),

@@ -116,7 +116,7 @@ def test_reinforce_pp_trains_on_per_token_advantages_and_raises_heldout_accuracy
     evals = [r["eval_accuracy"] for r in recs if "eval_accuracy" in r]
     steps = [r for r in recs if "reward_mean" in r]
     assert len(steps) == 12 and all(r["train_samples"] > 0 for r in steps)
-    assert all(r["zero_signal_groups"] == 0 for r in steps)  # no group baseline: every group trains
+    assert not any("zero_signal_groups" in r for r in steps)  # no group baseline: no group left out for it
     assert evals[-1] >= evals[0] + 0.05, f"held-out accuracy did not rise: {evals}"
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +21,7 @@ from relayrl.common.weightsync.plan import TensorMeta, plan_buckets, plan_to_pro
 from relayrl.generator.v1 import generator_pb2 as g
 from relayrl.generator.v1 import generator_pb2_grpc as gg
 
+from tests.kit.net import free_port
 from tests.procs import service
 
 pytestmark = pytest.mark.slow
@@ -89,19 +89,13 @@ def _hf_greedy(model, prompt_ids: list[int], n_tokens: int) -> list[int]:
     return out[0, len(prompt_ids) :].tolist()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Learner:
     """The test's stand-in for the learner: rank 0 of the weight-sync group."""
 
     def __init__(self, stub):
         self.stub = stub
         self.pool = ThreadPoolExecutor(2)
-        port = _free_port()
+        port = free_port()
         fut = self.pool.submit(
             stub.InitWeightSync,
             g.InitWeightSyncRequest(

@@ -1,5 +1,5 @@
 """Weight loads through the generator's real code (servicer, ``VLLMEngine``'s weight swaps and
-the vLLM worker extension) on a fake vLLM (``tests/fake_vllm.py``).
+the vLLM worker extension) on a fake vLLM (``tests/kit/fake_vllm.py``).
 
 What is checked: hostile weight-sync requests get a precise status code, never INTERNAL, and a
 request refused before its first tensor leaves the replica ready at its version with its
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import threading
 
 import grpc
@@ -26,7 +25,9 @@ from relayrl.common.weightsync.plan import Bucket, aligned, plan_to_proto
 from relayrl.common.weightsync.shm import ROOT, ReadyTable, Segment
 from relayrl.generator.v1 import generator_pb2 as g
 
-from tests.fake_vllm import SHAPES, plan, replica, weights
+from tests.kit.fake_vllm import SHAPES, plan, replica, weights
+from tests.kit.net import free_port
+from tests.kit.waits import error_of
 
 
 class Staging:
@@ -87,12 +88,6 @@ def same(params: dict, tensors: dict) -> bool:
 
 async def status(stub) -> g.GetStatusResponse:
     return await stub.GetStatus(g.GetStatusRequest())
-
-
-async def error_of(call) -> grpc.aio.AioRpcError:
-    with pytest.raises(grpc.aio.AioRpcError) as e:
-        await call
-    return e.value
 
 
 # -- a good load, and the proof of it -----------------------------------------------------------
@@ -156,12 +151,6 @@ async def test_load_weights_answers_a_checksum_per_tensor(tmp_path):
 # -- hostile requests: a precise code, and nothing changed ----------------------------------
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 INIT_CASES = {
     "world_size 2^32-1": (
         dict(master_addr="127.0.0.1", master_port=5, world_size=2**32 - 1, rank=1, backend="gloo"),
@@ -190,7 +179,7 @@ INIT_CASES = {
 async def test_hostile_init_weight_sync_gets_a_precise_code(tmp_path, case):
     fields, code, words = INIT_CASES[case]
     if fields.get("master_port") == 0:
-        fields = {**fields, "master_port": _closed_port()}
+        fields = {**fields, "master_port": free_port()}
     async with replica(tmp_path) as r:
         err = await error_of(r.stub.InitWeightSync(g.InitWeightSyncRequest(**fields)))
         assert err.code() == code and words in err.details(), err.details()
@@ -354,12 +343,6 @@ async def test_an_error_inside_vllms_loader_does_not_brick_the_replica(tmp_path)
         assert (await status(r.stub)).ready and same(r.params, new)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _join(stub, port: int, timeout_s: float = 60):
     """The learner's side of a gloo group with this replica (rank 0 here, in a thread)."""
     init = asyncio.ensure_future(
@@ -384,7 +367,7 @@ async def test_a_replica_broken_by_a_push_its_peer_broke_takes_the_next_complete
     async with replica(tmp_path) as r:
         new = weights(8.0)
         buckets = plan(new)
-        pg, store = await _join(r.stub, _free_port())
+        pg, store = await _join(r.stub, free_port())
         call = asyncio.ensure_future(
             r.stub.UpdateWeights(g.UpdateWeightsRequest(version=1, plan=plan_to_proto(buckets)))
         )
@@ -397,7 +380,7 @@ async def test_a_replica_broken_by_a_push_its_peer_broke_takes_the_next_complete
         assert (st.ready, st.policy_version) == (False, 0)
         groupwait.release([pg], False, 70)
         await r.stub.CloseWeightSync(g.CloseWeightSyncRequest())
-        pg, store = await _join(r.stub, _free_port())  # the learner's retry: a new group, the full plan
+        pg, store = await _join(r.stub, free_port())  # the learner's retry: a new group, the full plan
         call = asyncio.ensure_future(
             r.stub.UpdateWeights(g.UpdateWeightsRequest(version=1, plan=plan_to_proto(buckets)))
         )
@@ -435,13 +418,13 @@ async def test_a_push_held_up_while_its_group_was_replaced_leaves_the_new_groups
             return await update(*args, **kwargs)
 
         r.engine._llm.pause_generation, r.engine.update_weights = pause_generation, update_weights
-        pg, store = await _join(r.stub, _free_port())
+        pg, store = await _join(r.stub, free_port())
         first = asyncio.ensure_future(r.stub.UpdateWeights(request))
         await asyncio.wait_for(paused.wait(), 30)
         groupwait.abandon(store)  # the learner gives the push up and leaves the group
         groupwait.release([pg], False, 70)
         await r.stub.CloseWeightSync(g.CloseWeightSyncRequest())
-        pg, store = await _join(r.stub, _free_port(), timeout_s=10)  # the retry's group
+        pg, store = await _join(r.stub, free_port(), timeout_s=10)  # the retry's group
         retry = asyncio.ensure_future(r.stub.UpdateWeights(request))
         await asyncio.wait_for(retried.wait(), 30)
         resume.set()

@@ -1,7 +1,7 @@
 """Rank 0's weight sync against replicas that misbehave: the learner's real servicer and
 ``WeightSync`` on a real gRPC server, a core that trains and gathers nothing (it sends fixed
 weights), generators that are either the real generator code on a fake vLLM
-(``tests/fake_vllm.py``) or stand-ins that refuse, never answer, or answer wrong.
+(``tests/kit/fake_vllm.py``) or stand-ins that refuse, never answer, or answer wrong.
 
 What is checked: one replica never holds TrainStep (not while it registers, not while it loads);
 a refusal to join ends a registration at once; a replica silent after a push is named and the
@@ -35,7 +35,8 @@ from relayrl.learner.sync import WeightSync
 from relayrl.learner.v1 import learner_pb2 as lp
 from relayrl.learner.v1 import learner_pb2_grpc as lg
 
-from tests.fake_vllm import BUCKET, SHAPES, replica, weights
+from tests.kit.fake_vllm import BUCKET, SHAPES, replica, weights
+from tests.kit.waits import until
 
 METAS = [TensorMeta(n, "float32", s) for n, s in SHAPES.items()]
 METRICS = ("loss", "kl", "entropy", "clip_fraction", "grad_norm", "lr", "step_seconds")
@@ -166,10 +167,13 @@ async def test_a_training_step_does_not_wait_for_a_registration_and_a_cancelled_
         step = await stub.TrainStep(lp.TrainStepRequest(step=1), timeout=30)
         assert step.step == 1
         call.cancel()  # the caller gives up: the registration goes with it
-        deadline = time.monotonic() + 30
-        while "gen-x" in await registered(stub) or sync.lock.locked():
-            assert time.monotonic() < deadline, "the cancelled registration stayed"
-            await asyncio.sleep(0.05)
+        # polled where GetStatus reads it: its generators are sync's members (until takes a plain predicate)
+        await until(
+            lambda: "gen-x" not in sync.replica_ids() and not sync.lock.locked(),
+            30,
+            0.05,
+            "the cancelled registration stayed",
+        )
         assert await registered(stub) == [] and sync.groups == {}
 
 
@@ -295,11 +299,15 @@ async def test_after_a_group_member_dies_mid_push_the_retried_push_restores_the_
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.PushWeights(lp.PushWeightsRequest(version=1), timeout=120)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
-            deadline = time.monotonic() + 60
-            while (st := await r0.stub.GetStatus(g.GetStatusRequest())).swapping:
-                assert time.monotonic() < deadline, "gen-0's swap did not end (the learner abandons the push)"
-                await asyncio.sleep(0.05)
-            assert (st.ready, st.policy_version) in ((False, 0), (True, 1))
+            # polled where GetStatus reads it: the engine's status().swapping
+            await until(
+                lambda: not r0.engine.status().swapping,
+                60,
+                0.05,
+                "gen-0's swap did not end (the learner abandons the push)",
+            )
+            st = await r0.stub.GetStatus(g.GetStatusRequest())
+            assert not st.swapping and (st.ready, st.policy_version) in ((False, 0), (True, 1))
 
             await stub.UnregisterGenerator(lp.UnregisterGeneratorRequest(replica_id="gen-1"), timeout=60)
             reg = lp.RegisterGeneratorRequest(replica_id="gen-0", address=r0.address)

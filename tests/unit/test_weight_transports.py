@@ -15,6 +15,8 @@ from relayrl.common.weightsync.plan import TensorMeta, plan_buckets
 from relayrl.common.weightsync.shm import ROOT, ReadyTable, Segment, valid_name
 from relayrl.common.weightsync.transports import Place, choose
 
+from tests.kit.net import free_port
+
 CPU_A, CPU_B = Place("host-a", "cpu"), Place("host-b", "cpu")
 GPU0_A = Place("host-a", "cuda", ("GPU-0",))
 
@@ -213,7 +215,6 @@ def test_a_broadcast_that_loses_a_member_frees_the_others_at_once():
     production), or they stay unable to serve or join the next group that long. Closing the
     learner's side alone frees them only some of the time (a gloo receive posted before the
     connection closed can miss it): the abandon mark in the group's store does it every time."""
-    import socket
     import subprocess
     import sys
     import time
@@ -221,9 +222,7 @@ def test_a_broadcast_that_loses_a_member_frees_the_others_at_once():
     from relayrl.common.rpc import Unavailable
     from relayrl.learner.push import Sinks, WeightGroup, send_buckets
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     n, size = 6, 4 << 20
     kids = [
         subprocess.Popen(
@@ -264,15 +263,12 @@ def test_a_broadcast_that_loses_a_member_frees_the_others_at_once():
 def test_a_receive_stops_within_a_second_of_the_abandon_mark():
     """The learner's side of ``groupwait``: the sender is alive, its connections open, and sends
     nothing more; the mark alone ends the receive."""
-    import socket
     import threading
     import time
 
     from relayrl.common.weightsync import groupwait
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     opened: dict = {}
 
     def join(rank: int) -> None:

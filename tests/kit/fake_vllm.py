@@ -14,7 +14,6 @@ import json
 import threading
 from types import SimpleNamespace
 
-import grpc
 import torch
 from relayrl.common.grpc_server import start
 from relayrl.common.weightsync.buckets import dtype_name
@@ -24,6 +23,8 @@ from relayrl.generator.server import build
 from relayrl.generator.v1 import generator_pb2_grpc
 from relayrl.generator.vllm_engine import VLLMEngine
 from relayrl.generator.worker_ext import WeightSyncExtension
+
+from tests.kit.serving import client
 
 SHAPES = {"a.weight": (16,), "b.weight": (40, 4), "c.weight": (3, 4)}
 BUCKET = 256  # bytes: a, b and c travel in three buckets
@@ -115,22 +116,17 @@ def plan(tensors: dict[str, torch.Tensor]) -> list[Bucket]:
 
 @contextlib.asynccontextmanager
 async def replica(folder, replica_id: str = "gen-t"):
-    """A generator server on port 0: the real servicer and engine on a ``FakeLLM``."""
+    """A generator server on port 0: the real servicer and engine on a ``FakeLLM``; yields a
+    ``kit.serving.client`` with ``engine``, ``worker``, ``params`` and ``address`` besides."""
     model = _model()
     engine = VLLMEngine(GeneratorConfig(engine={"model": _checkpoint(folder)}), replica_id)
     worker = FakeWorker(model)
     engine._llm = FakeLLM(worker)
     handle = build(engine, GeneratorConfig())
     await start(handle, ready=True)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}")
+    extra = dict(engine=engine, worker=worker, params=worker.params, address=f"127.0.0.1:{handle.port}")
     try:
-        yield SimpleNamespace(
-            engine=engine,
-            worker=worker,
-            params=worker.params,
-            stub=generator_pb2_grpc.GeneratorServiceStub(channel),
-            address=f"127.0.0.1:{handle.port}",
-        )
+        async with client(handle, generator_pb2_grpc.GeneratorServiceStub, **extra) as r:
+            yield r
     finally:
-        await channel.close()
         await handle.stop(0)

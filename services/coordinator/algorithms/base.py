@@ -60,8 +60,9 @@ class Algorithm(ABC):
     @classmethod
     def check(cls, cfg: ExperimentConfig) -> None:
         """Refuse fields this family reads (or cannot honour) with a ``ValueError`` whose message
-        starts with the field's dotted name."""
-        return None
+        starts with the field's dotted name. Families that override it call this one too."""
+        if cfg.algorithm.critic_warmup and "critic" not in cls.roles(cfg):
+            raise ValueError("algorithm.critic_warmup: only algorithm.advantage gae has a critic")
 
     @abstractmethod
     async def batch(self, step: int, version: int, rollout: Rollout) -> TrainBatch:

@@ -16,13 +16,12 @@ class GroupFamily(Algorithm):
 
     @classmethod
     def check(cls, cfg: ExperimentConfig) -> None:
+        super().check(cfg)
         if cfg.algorithm.kl_coef > 0:
             raise ValueError(
                 "algorithm.kl_coef: a KL in the reward needs token-level advantages (reinforce_pp or gae); "
                 "for group advantages put the KL in the loss (learner.loss.kl_coef)"
             )
-        if cfg.algorithm.critic_warmup:
-            raise ValueError("algorithm.critic_warmup: only algorithm.advantage gae has a critic")
 
     async def batch(self, step: int, version: int, rollout: Rollout) -> TrainBatch:
         """Advantages per group; a group left with fewer than 2 scored samples has no baseline,

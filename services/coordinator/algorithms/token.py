@@ -42,9 +42,8 @@ class TokenFamily(Algorithm):
 
     @classmethod
     def check(cls, cfg: ExperimentConfig) -> None:
+        super().check(cfg)
         a = cfg.algorithm
-        if a.critic_warmup and "critic" not in cls.roles(cfg):
-            raise ValueError("algorithm.critic_warmup: only algorithm.advantage gae has a critic")
         if a.critic_warmup >= cfg.schedule.steps:
             raise ValueError("algorithm.critic_warmup must be fewer than schedule.steps")
 

@@ -24,17 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1erelayrl/common/v1/common.proto\x12\x11relayrl.common.v1\"\\\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\'\n\x05\x64type\x18\x03 \x01(\x0e\x32\x18.relayrl.common.v1.DType\x12\r\n\x05shape\x18\x04 \x03(\x03\"R\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\'\n\x05\x64type\x18\x02 \x01(\x0e\x32\x18.relayrl.common.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"Y\n\x06\x42ucket\x12.\n\x07tensors\x18\x01 \x03(\x0b\x32\x1d.relayrl.common.v1.TensorSpec\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\x0f\n\x07offsets\x18\x03 \x03(\x04\"8\n\nBucketPlan\x12*\n\x07\x62uckets\x18\x01 \x03(\x0b\x32\x19.relayrl.common.v1.Bucket\"\xe4\x01\n\rCudaIpcBuffer\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x02 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\x05\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x0e\n\x06nbytes\x18\t \x01(\x04\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"@\n\x0c\x43hatMessages\x12\x30\n\x08messages\x18\x01 \x03(\x0b\x32\x1e.relayrl.common.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x9b\x01\n\x06Prompt\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x30\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x1b.relayrl.common.v1.TokenIdsH\x00\x12\x33\n\x08messages\x18\x03 \x01(\x0b\x32\x1f.relayrl.common.v1.ChatMessagesH\x00\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x42\x07\n\x05input\":\n\x0bVersionSpan\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\"\xa4\x02\n\x06Sample\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x1c\n\x14\x63ompletion_token_ids\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x36\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1f.relayrl.common.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x04\x12\x35\n\rversion_spans\x18\x08 \x03(\x0b\x32\x1e.relayrl.common.v1.VersionSpan\x12\x12\n\nreplica_id\x18\t \x01(\t\x12\x0c\n\x04text\x18\n \x01(\t*\x9b\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04\x12\x0f\n\x0b\x44TYPE_INT32\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06\x12\x0e\n\nDTYPE_BOOL\x10\x07*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1erelayrl/common/v1/common.proto\x12\x11relayrl.common.v1\"\\\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\'\n\x05\x64type\x18\x03 \x01(\x0e\x32\x18.relayrl.common.v1.DType\x12\r\n\x05shape\x18\x04 \x03(\x03\"R\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\'\n\x05\x64type\x18\x02 \x01(\x0e\x32\x18.relayrl.common.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"Y\n\x06\x42ucket\x12.\n\x07tensors\x18\x01 \x03(\x0b\x32\x1d.relayrl.common.v1.TensorSpec\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\x0f\n\x07offsets\x18\x03 \x03(\x04\"8\n\nBucketPlan\x12*\n\x07\x62uckets\x18\x01 \x03(\x0b\x32\x19.relayrl.common.v1.Bucket\"\xe4\x01\n\rCudaIpcBuffer\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x02 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\x05\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x0e\n\x06nbytes\x18\t \x01(\x04\"\x81\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12/\n\ntool_calls\x18\x03 \x03(\x0b\x32\x1b.relayrl.common.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"m\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\x12/\n\x05parse\x18\x04 \x01(\x0e\x32 .relayrl.common.v1.ToolCallParse\"T\n\x0c\x43hatMessages\x12\x30\n\x08messages\x18\x01 \x03(\x0b\x32\x1e.relayrl.common.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\"l\n\x0c\x43ontinuation\x12\x18\n\x10prefix_token_ids\x18\x01 \x03(\x05\x12.\n\x06\x61ppend\x18\x02 \x03(\x0b\x32\x1e.relayrl.common.v1.ChatMessage\x12\x12\n\ntools_json\x18\x03 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd4\x01\n\x06Prompt\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x30\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x1b.relayrl.common.v1.TokenIdsH\x00\x12\x33\n\x08messages\x18\x03 \x01(\x0b\x32\x1f.relayrl.common.v1.ChatMessagesH\x00\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12\x37\n\x0c\x63ontinuation\x18\x05 \x01(\x0b\x32\x1f.relayrl.common.v1.ContinuationH\x00\x42\x07\n\x05input\":\n\x0bVersionSpan\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\"\xe6\x02\n\x06Sample\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x1c\n\x14\x63ompletion_token_ids\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x36\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1f.relayrl.common.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x04\x12\x35\n\rversion_spans\x18\x08 \x03(\x0b\x32\x1e.relayrl.common.v1.VersionSpan\x12\x12\n\nreplica_id\x18\t \x01(\t\x12\x0c\n\x04text\x18\n \x01(\t\x12/\n\ntool_calls\x18\x0b \x03(\x0b\x32\x1b.relayrl.common.v1.ToolCall\x12\x0f\n\x07\x63ontent\x18\x0c \x01(\t*\x9b\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04\x12\x0f\n\x0b\x44TYPE_INT32\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06\x12\x0e\n\nDTYPE_BOOL\x10\x07*\xd7\x01\n\rToolCallParse\x12\x1f\n\x1bTOOL_CALL_PARSE_UNSPECIFIED\x10\x00\x12\x16\n\x12TOOL_CALL_PARSE_OK\x10\x01\x12 \n\x1cTOOL_CALL_PARSE_INVALID_JSON\x10\x02\x12\"\n\x1eTOOL_CALL_PARSE_UNCLOSED_BLOCK\x10\x03\x12 \n\x1cTOOL_CALL_PARSE_MISSING_NAME\x10\x04\x12%\n!TOOL_CALL_PARSE_INVALID_ARGUMENTS\x10\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'relayrl.common.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1262
-  _globals['_DTYPE']._serialized_end=1417
-  _globals['_FINISHREASON']._serialized_start=1419
-  _globals['_FINISHREASON']._serialized_end=1539
+  _globals['_DTYPE']._serialized_start=1712
+  _globals['_DTYPE']._serialized_end=1867
+  _globals['_TOOLCALLPARSE']._serialized_start=1870
+  _globals['_TOOLCALLPARSE']._serialized_end=2085
+  _globals['_FINISHREASON']._serialized_start=2087
+  _globals['_FINISHREASON']._serialized_end=2207
   _globals['_TENSOR']._serialized_start=53
   _globals['_TENSOR']._serialized_end=145
   _globals['_TENSORSPEC']._serialized_start=147
@@ -45,16 +47,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BUCKETPLAN']._serialized_end=378
   _globals['_CUDAIPCBUFFER']._serialized_start=381
   _globals['_CUDAIPCBUFFER']._serialized_end=609
-  _globals['_CHATMESSAGE']._serialized_start=611
-  _globals['_CHATMESSAGE']._serialized_end=655
-  _globals['_CHATMESSAGES']._serialized_start=657
-  _globals['_CHATMESSAGES']._serialized_end=721
-  _globals['_TOKENIDS']._serialized_start=723
-  _globals['_TOKENIDS']._serialized_end=746
-  _globals['_PROMPT']._serialized_start=749
-  _globals['_PROMPT']._serialized_end=904
-  _globals['_VERSIONSPAN']._serialized_start=906
-  _globals['_VERSIONSPAN']._serialized_end=964
-  _globals['_SAMPLE']._serialized_start=967
-  _globals['_SAMPLE']._serialized_end=1259
+  _globals['_CHATMESSAGE']._serialized_start=612
+  _globals['_CHATMESSAGE']._serialized_end=741
+  _globals['_TOOLCALL']._serialized_start=743
+  _globals['_TOOLCALL']._serialized_end=852
+  _globals['_CHATMESSAGES']._serialized_start=854
+  _globals['_CHATMESSAGES']._serialized_end=938
+  _globals['_CONTINUATION']._serialized_start=940
+  _globals['_CONTINUATION']._serialized_end=1048
+  _globals['_TOKENIDS']._serialized_start=1050
+  _globals['_TOKENIDS']._serialized_end=1073
+  _globals['_PROMPT']._serialized_start=1076
+  _globals['_PROMPT']._serialized_end=1288
+  _globals['_VERSIONSPAN']._serialized_start=1290
+  _globals['_VERSIONSPAN']._serialized_end=1348
+  _globals['_SAMPLE']._serialized_start=1351
+  _globals['_SAMPLE']._serialized_end=1709
 # @@protoc_insertion_point(module_scope)

@@ -22,7 +22,7 @@ WEIGHT_TRANSPORT_SHM: WeightTransport
 WEIGHT_TRANSPORT_IPC: WeightTransport
 
 class SamplingParams(_message.Message):
-    __slots__ = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "include_stop_str_in_output", "ignore_eos")
+    __slots__ = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "include_stop_str_in_output", "ignore_eos", "tool_format")
     N_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class SamplingParams(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_FORMAT_FIELD_NUMBER: _ClassVar[int]
     n: int
     temperature: float
     top_p: float
@@ -43,7 +44,8 @@ class SamplingParams(_message.Message):
     seed: int
     include_stop_str_in_output: bool
     ignore_eos: bool
-    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    tool_format: str
+    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., tool_format: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompts", "sampling")
@@ -212,3 +214,29 @@ class LoadWeightsResponse(_message.Message):
     num_tensors: int
     tensor_checksums: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, version: _Optional[int] = ..., swap_seconds: _Optional[float] = ..., nbytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., tensor_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CheckChatRequest(_message.Message):
+    __slots__ = ("tools_json", "tool_format")
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOOL_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    tools_json: str
+    tool_format: str
+    def __init__(self, tools_json: _Optional[str] = ..., tool_format: _Optional[str] = ...) -> None: ...
+
+class CheckChatResponse(_message.Message):
+    __slots__ = ("tools_missing_from_prompt", "round_trip_ok", "round_trip_detail", "prefix_preserving", "bridge_detail", "glue_token_ids", "stop_token_ids")
+    TOOLS_MISSING_FROM_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TRIP_OK_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TRIP_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_PRESERVING_FIELD_NUMBER: _ClassVar[int]
+    BRIDGE_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    GLUE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    tools_missing_from_prompt: _containers.RepeatedScalarFieldContainer[str]
+    round_trip_ok: bool
+    round_trip_detail: str
+    prefix_preserving: bool
+    bridge_detail: str
+    glue_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tools_missing_from_prompt: _Optional[_Iterable[str]] = ..., round_trip_ok: _Optional[bool] = ..., round_trip_detail: _Optional[str] = ..., prefix_preserving: _Optional[bool] = ..., bridge_detail: _Optional[str] = ..., glue_token_ids: _Optional[_Iterable[int]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -65,6 +65,11 @@ class GeneratorServiceStub:
                 request_serializer=relayrl_dot_generator_dot_v1_dot_generator__pb2.LoadWeightsRequest.SerializeToString,
                 response_deserializer=relayrl_dot_generator_dot_v1_dot_generator__pb2.LoadWeightsResponse.FromString,
                 _registered_method=True)
+        self.CheckChat = channel.unary_unary(
+                '/relayrl.generator.v1.GeneratorService/CheckChat',
+                request_serializer=relayrl_dot_generator_dot_v1_dot_generator__pb2.CheckChatRequest.SerializeToString,
+                response_deserializer=relayrl_dot_generator_dot_v1_dot_generator__pb2.CheckChatResponse.FromString,
+                _registered_method=True)
 
 
 class GeneratorServiceServicer:
@@ -141,6 +146,20 @@ class GeneratorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckChat(self, request, context):
+        """Coordinator -> generator, before a multi-turn run: does this model's chat template render
+        these tools and read back the calls it renders? Renders a system+user dialogue with the
+        tools and checks every tool name is in the prompt ids; renders an assistant tool call per
+        tool and parses it back with tool_format (same name and arguments); renders dialogues with
+        tool and user turns both at once and turn by turn through the Continuation bridge, and says
+        whether they agree (a template that rewrites earlier turns, e.g. one that strips reasoning,
+        does not). Cheap (no sampling). INVALID_ARGUMENT for tools_json that is not an array of
+        function schemas or an unknown tool_format.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GeneratorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -173,6 +192,11 @@ def add_GeneratorServiceServicer_to_server(servicer, server):
                     servicer.LoadWeights,
                     request_deserializer=relayrl_dot_generator_dot_v1_dot_generator__pb2.LoadWeightsRequest.FromString,
                     response_serializer=relayrl_dot_generator_dot_v1_dot_generator__pb2.LoadWeightsResponse.SerializeToString,
+            ),
+            'CheckChat': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckChat,
+                    request_deserializer=relayrl_dot_generator_dot_v1_dot_generator__pb2.CheckChatRequest.FromString,
+                    response_serializer=relayrl_dot_generator_dot_v1_dot_generator__pb2.CheckChatResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -338,6 +362,33 @@ class GeneratorService:
             '/relayrl.generator.v1.GeneratorService/LoadWeights',
             relayrl_dot_generator_dot_v1_dot_generator__pb2.LoadWeightsRequest.SerializeToString,
             relayrl_dot_generator_dot_v1_dot_generator__pb2.LoadWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckChat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayrl.generator.v1.GeneratorService/CheckChat',
+            relayrl_dot_generator_dot_v1_dot_generator__pb2.CheckChatRequest.SerializeToString,
+            relayrl_dot_generator_dot_v1_dot_generator__pb2.CheckChatResponse.FromString,
             options,
             channel_credentials,
             insecure,

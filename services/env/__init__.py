@@ -1,0 +1,1 @@
+"""The environment service: sessions of multi-turn episodes with tools (relayrl.env.v1)."""

@@ -27,15 +27,25 @@ class Rollout:
     seconds: dict[str, float] = field(default_factory=dict)
     gen_tokens: int = 0
     prompt_ids: list[str] = field(default_factory=list)  # the step's prompts, in data order
+    masks: dict[tuple[str, int], list[float]] = field(default_factory=dict)
+    """Loss masks of samples with tokens the model did not generate (a multi-turn episode's
+    environment tokens), by (prompt_id, sample_index); a sample not here trains on every token."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """Metrics of how the rollout was made (multi-turn: tool calls, turns, redone episodes)."""
+
+    def mask(self, s: common_pb2.Sample) -> list[float] | None:
+        return self.masks.get((s.prompt_id, s.sample_index))
 
 
-def train_sample(s: common_pb2.Sample, **advantage) -> lp.TrainSample:
-    """The learner's sample for a generated one, with ``advantage`` or ``token_advantages``."""
+def train_sample(s: common_pb2.Sample, mask: list[float] | None = None, **advantage) -> lp.TrainSample:
+    """The learner's sample for a generated one, with ``advantage`` or ``token_advantages``, and
+    ``mask`` (``Rollout.mask``) as its loss mask where some of its tokens are not the model's."""
     return lp.TrainSample(
         prompt_token_ids=s.prompt_token_ids,
         completion_token_ids=s.completion_token_ids,
         generator_logprobs=s.logprobs,
         policy_version=version_of(s),
+        loss_mask=mask or (),
         **advantage,
     )
 

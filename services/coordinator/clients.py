@@ -19,6 +19,7 @@ the bearer token as ``services.security`` says.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -39,7 +40,7 @@ from relayrl.reward.v1 import reward_pb2_grpc as rwg
 
 logger = logging.getLogger(__name__)
 # Codes after which a replica is taken out of rotation (it is gone or not serving).
-_DOWN = {
+DOWN_CODES = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.CANCELLED,
@@ -64,6 +65,24 @@ async def waits_for_weights(channel: grpc.aio.Channel) -> bool:
     except grpc.aio.AioRpcError:
         return False
     return not st.ready and not st.swapping and st.max_model_len > 0
+
+
+def rendezvous(key: str, reps: Sequence[Replica]) -> Replica:
+    """The replica ``key`` goes to: highest random weight (rendezvous) hashing, so a key keeps
+    its replica while that replica is in rotation, and only the keys of a replica that leaves
+    move. A stable hash, the same in every process.
+
+    >>> reps = [Replica(f"gen-{i}", "", None) for i in range(3)]
+    >>> rendezvous("e1", reps).name == rendezvous("e1", reps[::-1]).name
+    True
+    >>> len({rendezvous(f"e{i}", reps).name for i in range(50)})
+    3
+    """
+
+    def weight(rep: Replica) -> bytes:
+        return hashlib.blake2b(f"{key}\0{rep.name}".encode(), digest_size=8).digest()
+
+    return max(reps, key=weight)
 
 
 def _split(items: Sequence, parts: int) -> list[list]:
@@ -128,18 +147,23 @@ class GeneratorPool(Rotation):
         sampling: g.SamplingParams,
         request_id: str,
         min_version: int = 0,
+        affinity: str = "",
     ) -> dict[str, list[common_pb2.Sample]]:
         """All ``sampling.n`` samples of every prompt, grouped by prompt_id. ``min_version``:
         the policy version every replica in rotation holds (the last one pushed); a replica
         that samples with an older one restarted between two calls (it serves the weights it
         loaded): it leaves the rotation, to come back at the current weights, and its prompts
-        go to the others."""
+        go to the others. ``affinity``: every call with the same key goes to the same replica
+        while it is in rotation (a multi-turn episode's turns then find their prefix in its
+        cache); other keys spread evenly over the replicas."""
         done: dict[str, dict[int, common_pb2.Sample]] = {}
         todo = list(prompts)
         attempt = 0
         tries = Attempts("generator: prompt", self.max_attempts)
         while todo:
             reps = await self.available()
+            if affinity:
+                reps = [rendezvous(affinity, reps)]
             per_call = max(1, self.samples_per_call // max(1, sampling.n))
             calls = [
                 (rep, share[k : k + per_call])
@@ -184,7 +208,7 @@ class GeneratorPool(Rotation):
                 return {}, share, why
             why = "answered OK without all samples of the prompt (a generator bug)"
         except grpc.aio.AioRpcError as e:
-            if e.code() not in _DOWN:  # a bad request: re-issuing it elsewhere would fail the same way
+            if e.code() not in DOWN_CODES:  # a bad request: re-issuing it elsewhere would fail the same way
                 raise ServiceRpcError(e, f"generator {rep.name} ({rep.address})", "Generate") from None
             why = f"{e.code().name}: {e.details()}"
         complete = {p.prompt_id: got[p.prompt_id] for p in share if _whole(got.get(p.prompt_id), sampling.n)}
@@ -256,7 +280,7 @@ class RewardPool(Rotation):
                 metadata=logcontext.current(),
             )
         except grpc.aio.AioRpcError as e:
-            if e.code() not in _DOWN:
+            if e.code() not in DOWN_CODES:
                 raise ServiceRpcError(e, f"reward {rep.name} ({rep.address})", "Score") from None
             why = f"{e.code().name} {e.details()}"
         else:

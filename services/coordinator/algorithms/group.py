@@ -37,5 +37,7 @@ class GroupFamily(Algorithm):
             if all(x == 0 for x in adv):
                 flat += 1  # equal rewards: zero gradient, only cost
                 continue
-            out += [train_sample(s, advantage=x) for (s, _), x in zip(scored, adv, strict=True)]
+            out += [
+                train_sample(s, rollout.mask(s), advantage=x) for (s, _), x in zip(scored, adv, strict=True)
+            ]
         return TrainBatch(out, stats={**stats, "zero_signal_groups": flat, "unscored_groups": thin})

@@ -70,6 +70,7 @@ class TokenFamily(Algorithm):
         )
         if critic or reference:
             stats["time_values"] = time.monotonic() - t0
+        masks = [rollout.mask(s) for s, _ in kept]
         kl = (
             None
             if ref is None
@@ -83,8 +84,12 @@ class TokenFamily(Algorithm):
             values=None if values is None else [np.asarray(v) for v in values],
             kl=kl,
             beta=self.kl_coef,
+            masks=masks,
         )
-        actor = [train_sample(s, token_advantages=x.tolist()) for (s, _), x in zip(kept, adv, strict=True)]
+        actor = [
+            train_sample(s, m, token_advantages=x.tolist())
+            for (s, _), x, m in zip(kept, adv, masks, strict=True)
+        ]
         roles = {}
         if values is not None:
             roles["critic"] = [
@@ -94,8 +99,9 @@ class TokenFamily(Algorithm):
                     policy_version=version_of(s),
                     returns=r.tolist(),
                     values=v,
+                    loss_mask=m or (),
                 )
-                for (s, _), r, v in zip(kept, returns, values, strict=True)
+                for (s, _), r, v, m in zip(kept, returns, values, masks, strict=True)
             ]
             stats["critic_explained_var"] = explained_variance(values, returns)
             stats["critic_values_mean"] = float(np.mean(np.concatenate([np.asarray(v) for v in values])))
@@ -103,8 +109,10 @@ class TokenFamily(Algorithm):
         if kl is not None:
             # Two means of one KL: over every token of the batch, and per completion then over
             # completions (verl's); the adaptive controller follows ``algorithm.kl_reduction``.
-            stats["kl_reward"] = float(np.mean(np.concatenate(kl)))
-            stats["kl_reward_per_sequence"] = float(np.mean([np.mean(k) for k in kl if len(k)]))
+            # Only the model's tokens: an environment token's KL is not the policy's drift.
+            counted = [k if m is None else k[np.asarray(m) > 0] for k, m in zip(kl, masks, strict=True)]
+            stats["kl_reward"] = float(np.mean(np.concatenate(counted)))
+            stats["kl_reward_per_sequence"] = float(np.mean([np.mean(k) for k in counted if len(k)]))
             stats["kl_coef"] = self.kl_coef
         if step < a.critic_warmup:
             actor = []

@@ -180,12 +180,15 @@ def token_advantages(
     values: Sequence[np.ndarray] | None = None,
     kl: Sequence[np.ndarray] | None = None,
     beta: float = 0.0,
+    masks: Sequence[Sequence[float] | None] | None = None,
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Per-token advantages and returns of a batch, PPO's (``values`` given: GAE against the
     critic, verl's ``gae``) or REINFORCE++'s (no values: returns-to-go, verl's
     ``reinforce_plus_plus``). Token rewards are each sample's score on its last token minus
     ``beta`` times its per-token ``kl`` to the reference (the KL in the reward); advantages are
-    whitened over every token of the batch, returns (the critic's targets) are not.
+    whitened over every token of the batch, returns (the critic's targets) are not. ``masks``
+    (per sample, None for all ones): tokens the model did not generate (a multi-turn episode's
+    environment tokens) are absent from every recursion and from the whitening; they get 0.
 
     >>> adv, ret = token_advantages([1.0, 0.0], [2, 1])  # REINFORCE++: no group baseline
     >>> [np.round(a, 4).tolist() for a in adv], [r.tolist() for r in ret]
@@ -196,17 +199,21 @@ def token_advantages(
     """
     if len(scores) != len(lengths):
         raise ValueError(f"{len(scores)} scores for {len(lengths)} samples")
+    ms = [None] * len(scores) if masks is None else list(masks)
+    if len(ms) != len(scores):
+        raise ValueError(f"{len(ms)} masks for {len(scores)} samples")
     rewards = [
-        shaped_rewards(s, n, None if kl is None else kl[i], beta)
+        shaped_rewards(s, n, None if kl is None else kl[i], beta, ms[i])
         for i, (s, n) in enumerate(zip(scores, lengths, strict=True))
     ]
     if values is None:
-        returns = [discounted_returns(r, gamma) for r in rewards]
-        return whiten(returns), returns
+        returns = [discounted_returns(r, gamma, m) for r, m in zip(rewards, ms, strict=True)]
+        return whiten(returns, ms), returns
     pairs = [
-        gae(r, np.asarray(v, dtype=np.float64), gamma, lam) for r, v in zip(rewards, values, strict=True)
+        gae(r, np.asarray(v, dtype=np.float64), gamma, lam, m)
+        for r, v, m in zip(rewards, values, ms, strict=True)
     ]
-    return whiten([a for a, _ in pairs]), [ret for _, ret in pairs]
+    return whiten([a for a, _ in pairs], ms), [ret for _, ret in pairs]
 
 
 def reinforce_pp(scores: Sequence[float], lengths: Sequence[int], gamma: float = 1.0) -> list[np.ndarray]:

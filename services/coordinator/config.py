@@ -109,6 +109,43 @@ class SamplingSection(StrictModel):
     on GPUs skips its fused top-k/top-p sampling kernel; false trades reproducibility for that."""
 
 
+class EpisodesSection(StrictModel):
+    """Multi-turn episodes: each sample is an episode of the environment ``env`` (served by the
+    env service), the model's turns and the environment's answers in one token-exact sample.
+    Without this section every sample is one completion scored by the reward service."""
+
+    env: str = Field(min_length=1, max_length=128)
+    """Name of the environment (built in: ``calc``, ``guess``; or a plugin's), as the env
+    service lists it. Each data row is one task; ``sampling.n`` episodes of it form a group."""
+    tool_format: Literal["", "hermes", "llama3_json"] = "hermes"
+    """How the model writes tool calls, for the generator to read them: ``hermes`` (Qwen2.5,
+    Hermes: <tool_call>{...}</tool_call>), ``llama3_json`` (Llama-3.1), or "" for none (a
+    text-only environment; an environment that expects tools then trips the zero-tool alarm)."""
+    max_turns: int | None = Field(None, ge=1, le=256)
+    """Most model turns per episode; None: the environment's own bound (its max_turns)."""
+    max_episode_tokens: int = Field(1024, ge=1, le=1_000_000)
+    """Most tokens after the first prompt (the model's and the environment's): an episode that
+    reaches it ends truncated, scored as the environment scores an unfinished episode."""
+    max_attempts: int = Field(3, ge=1, le=100)
+    """How many times an episode whose environment failed (a replica died, the session was lost,
+    the environment said REDO) is run; after that it is masked: never trained on, never part of
+    its group's baseline, counted (``env_masked``). Too many masked episodes in a step fail the run
+    as scorer failures do (``services.max_reward_error_fraction``)."""
+    zero_tool_alarm: Literal["warn", "fail"] = "warn"
+    """What happens when an environment that expects tools sees no tool call in
+    ``zero_tool_steps`` training steps in a row (the tools never reached the prompt, or the
+    calls are never parsed): a warning in the log and ``alarm_zero_tool_calls`` 1 in the
+    metrics, or the run fails."""
+    zero_tool_steps: int = Field(3, ge=1, le=1000)
+    """Training steps in a row without a tool call that trip the alarm."""
+    allow_template_drift: bool = False
+    """Train even when the chat template is not prefix-preserving (the generator's CheckChat:
+    rendering the whole dialogue gives other tokens than the turn-by-turn bridge, e.g. a template
+    that strips earlier reasoning). Training stays token-exact either way (the learner sees the
+    tokens sampled); the model then trains on contexts a full render would not show it. False
+    refuses to start, naming the difference."""
+
+
 class AlgorithmSection(StrictModel):
     """How rewards become advantages."""
 
@@ -202,6 +239,8 @@ class ServicesSection(StrictModel):
     """Generator replicas, ``host:port`` each."""
     rewards: list[str] = Field(default_factory=list)
     """Reward replicas, ``host:port`` each."""
+    envs: list[str] = Field(default_factory=list)
+    """Env service replicas, ``host:port`` each: deployed runs with an ``episodes`` section."""
     learner: str | None = None
     """Learner rank 0, ``host:port``."""
     critic: str | None = None
@@ -214,6 +253,9 @@ class ServicesSection(StrictModel):
     """Embedded default and ``relayrl launch ray``: generator replicas to start."""
     reward_replicas: int = Field(1, ge=1, le=64)
     """Embedded default and ``relayrl launch ray``: reward replicas to start."""
+    env_replicas: int = Field(1, ge=1, le=64)
+    """Embedded default and ``relayrl launch ray``: env service replicas to start (runs with an
+    ``episodes`` section)."""
     generator_devices: list[str] = Field(default_factory=list)
     """Embedded default on GPUs: CUDA_VISIBLE_DEVICES of each generator replica (e.g. ["0", "1"]),
     so generation and training get their own GPUs; empty inherits the environment."""
@@ -326,6 +368,8 @@ class ExperimentConfig(StrictModel):
     """The prompts."""
     sampling: SamplingSection = Field(default_factory=SamplingSection)
     """Sampling for training."""
+    episodes: EpisodesSection | None = None
+    """Multi-turn episodes with an environment (tools, feedback); None: single-turn samples."""
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
     """Advantages."""
     schedule: ScheduleSection = Field(default_factory=ScheduleSection)
@@ -364,6 +408,15 @@ class ExperimentConfig(StrictModel):
         ):
             if n > per_call:
                 raise ValueError(f"{name} ({n}) exceeds services.generator_samples_per_call ({per_call})")
+        if self.episodes is not None and not self.services.embedded and not self.services.envs:
+            raise ValueError(
+                "services.envs: a deployed run with an episodes section needs env service addresses"
+            )
+        if self.episodes is not None and self.sampling.stop:
+            raise ValueError(
+                "sampling.stop: an episode's turns end on the model's end-of-turn token, never on a stop "
+                "string (the next turn must extend tokens that end with that token)"
+            )
         return self
 
     def role_sections(self) -> dict[str, LearnerConfig]:

@@ -13,6 +13,8 @@ from pathlib import Path
 from relayrl.coordinator import algorithms
 from relayrl.coordinator.clients import GeneratorPool, LearnerClient, RewardPool
 from relayrl.coordinator.config import ExperimentConfig
+from relayrl.coordinator.envs import EnvPool
+from relayrl.coordinator.episodes import MultiTurn
 from relayrl.coordinator.loop import Experiment
 from relayrl.coordinator.rollouts import SingleTurn
 from relayrl.coordinator.runfolder import rewind_records
@@ -93,7 +95,12 @@ async def drive(
             on_record(rec)
 
     algorithm = algorithms.make(cfg, roles, run_dir.name)
-    rollouts = SingleTurn(cfg, gens, rewards)
+    envs = (
+        EnvPool(services.envs, deadline, security, wait_s, coming_back=services.coming_back)
+        if cfg.episodes is not None
+        else None
+    )
+    rollouts = SingleTurn(cfg, gens, rewards) if envs is None else MultiTurn(cfg, gens, envs)
     exp = Experiment(
         cfg, run_dir, train_rows, test_rows, gens, rollouts, learner, algorithm, record, weights_lock
     )
@@ -102,6 +109,7 @@ async def drive(
     try:
         for name, addr in services.generators.items():
             await learner.register_generator(name, addr)
+        await rollouts.prepare()
         if state is not None:
             rewind_records(run_dir, state["step"], "ledger.jsonl")
             await exp.resume(state["tag"], rewind_records(run_dir, state["step"]))
@@ -110,6 +118,8 @@ async def drive(
     finally:
         await gens.close()
         await rewards.close()
+        if envs is not None:
+            await envs.close()
         await trackers.aclose()
         for client in (learner, *roles.values()):
             await client.close()

@@ -64,7 +64,9 @@ class EnvPool(Rotation):
             found = [e for e in resp.envs if e.name == name]
             if not found:
                 known = ", ".join(sorted(e.name for e in resp.envs)) or "none"
-                raise ValueError(f"episodes.env: env replica {rep.name} runs no env {name!r} (it runs: {known})")
+                raise ValueError(
+                    f"episodes.env: env replica {rep.name} runs no env {name!r} (it runs: {known})"
+                )
             infos.append(found[0])
         if any(i.tools_json != infos[0].tools_json for i in infos):
             raise ValueError(f"episodes.env: the env replicas disagree on the tools of {name!r}")
@@ -95,7 +97,11 @@ class EnvPool(Rotation):
                     continue
                 if code in DOWN_CODES:
                     self.mark_down(rep, f"{code.name}: {(e.details() or '')[:300]}")
-                    raise EpisodeLost(f"env {rep.name}: {rpc} {code.name}: {(e.details() or '')[:300]}") from None
+                    raise EpisodeLost(
+                        f"env {rep.name}: {rpc} {code.name}: {(e.details() or '')[:300]}"
+                    ) from None
                 if code == grpc.StatusCode.NOT_FOUND and rpc in ("Step", "Close"):
-                    raise EpisodeLost(f"env {rep.name}: {rpc}: session lost ({(e.details() or '')[:300]})") from None
+                    raise EpisodeLost(
+                        f"env {rep.name}: {rpc}: session lost ({(e.details() or '')[:300]})"
+                    ) from None
                 raise ServiceRpcError(e, f"env {rep.name} ({rep.address})", rpc) from None

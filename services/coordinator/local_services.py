@@ -1,5 +1,5 @@
 """The services of a run as local processes (the embedded default of ``relayrl run``), with a
-supervisor that starts a crashed generator or reward replica again at its address."""
+supervisor that starts a crashed generator, reward or env replica again at its address."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ class LocalServices:
         self.procs: list[ServiceProcess] = []
         self.generators: dict[str, str] = {}
         self.rewards: dict[str, str] = {}
+        self.envs: dict[str, str] = {}
         self.learner = ""
         self.roles: dict[str, str] = {}
         self.restarted: dict[str, int] = {}  # name -> restarts so far
@@ -99,22 +100,30 @@ class LocalServices:
         rewards = [
             self._start(f"reward-{i}", "reward", c.reward, []) for i in range(c.services.reward_replicas)
         ]
+        envs = (
+            [self._start(f"env-{i}", "env", c.env, []) for i in range(c.services.env_replicas)]
+            if c.episodes is not None
+            else []
+        )
         ready = {role: p.wait_ready(timeout) for role, p in learners.items()}
         self.learner = ready.pop("learner")
         self.roles = ready
         self.generators = {p.name: p.wait_ready(timeout) for p in gens}
         self.rewards = {p.name: p.wait_ready(timeout) for p in rewards}
+        self.envs = {p.name: p.wait_ready(timeout) for p in envs}
         if c.services.restarts:
             self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
             self._supervisor.start()
 
     def _supervise(self, every_s: float = 1.0) -> None:
-        """Start a generator or reward replica that exited again, at its address (its port):
+        """Start a generator, reward or env replica that exited again, at its address (its port):
         the coordinator's rotation probes it and takes it back, a generator after a push of the
         current weights. At most ``services.restarts`` times each."""
         while not self._stopping.wait(every_s):
             with self._lock:
-                dead = [p for p in self.procs if not p.alive() and p.name.startswith(("gen-", "reward-"))]
+                dead = [
+                    p for p in self.procs if not p.alive() and p.name.startswith(("gen-", "reward-", "env-"))
+                ]
             for old in dead:
                 n = self.restarted.get(old.name, 0) + 1
                 if n > self.cfg.services.restarts or self._stopping.is_set():
@@ -131,7 +140,7 @@ class LocalServices:
                     self.restarting.discard(old.name)
 
     def _restart(self, old: ServiceProcess, n: int) -> None:
-        address = self.generators.get(old.name) or self.rewards[old.name]
+        address = self.generators.get(old.name) or self.rewards.get(old.name) or self.envs[old.name]
         logger.warning(
             "%s exited (code %s); starting it again at %s (restart %d of %d)",
             old.name,
@@ -145,14 +154,15 @@ class LocalServices:
         old.stop(grace=0)  # reaps it and closes its log
         c = self.cfg
         gen = old.name.startswith("gen-")
+        service = old.name.rsplit("-", 1)[0].replace("gen", "generator")
         i = int(old.name.rsplit("-", 1)[1])
         dev = c.services.generator_devices
         extra = ["--replica-id", old.name] if gen else []
         extra += ["--port", address.rsplit(":", 1)[1]]  # after --port 0: the last one counts
         proc = self._start(
             old.name,
-            "generator" if gen else "reward",
-            c.generator if gen else c.reward,
+            service,
+            {"generator": c.generator, "reward": c.reward, "env": c.env}[service],
             extra,
             dev[i] if gen and i < len(dev) else "",
             restart=n,

@@ -20,6 +20,11 @@ from relayrl.reward.v1 import reward_pb2 as rw
 
 
 class RolloutSource(Protocol):
+    async def prepare(self) -> None:
+        """Check, before the first rollout, what the services must agree on; raises a
+        ``RunFailure`` naming what does not fit."""
+        ...
+
     async def rollout(
         self, batch: list[tuple[str, dict]], evaluation: bool, tag: str, min_version: int
     ) -> Rollout:
@@ -46,6 +51,9 @@ class SingleTurn:
         self.cfg = cfg
         self.gen = generators
         self.rewards = rewards
+
+    async def prepare(self) -> None:
+        pass
 
     def sampling(self, evaluation: bool) -> g.SamplingParams:
         s, sched = self.cfg.sampling, self.cfg.schedule

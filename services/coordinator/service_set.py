@@ -17,6 +17,8 @@ class ServiceSet(Protocol):
     """Replica name -> address, filled by ``start``."""
     rewards: dict[str, str]
     """Replica name -> address, filled by ``start``."""
+    envs: dict[str, str]
+    """Env service replica name -> address, filled by ``start`` (empty without episodes)."""
     learner: str
     """Rank 0's address, filled by ``start``."""
     roles: dict[str, str]
@@ -45,6 +47,7 @@ class DeployedServices:
     def __init__(self, cfg: ExperimentConfig, run_dir: Path):
         self.generators = {f"gen-{i}": a for i, a in enumerate(cfg.services.generators)}
         self.rewards = {f"reward-{i}": a for i, a in enumerate(cfg.services.rewards)}
+        self.envs = {f"env-{i}": a for i, a in enumerate(cfg.services.envs)}
         self.learner = cfg.services.learner or ""
         # the role sections present are the roles the algorithm calls (derive.resolve_paths)
         self.roles = {r: getattr(cfg.services, r) for r in cfg.role_sections() if r != "learner"}

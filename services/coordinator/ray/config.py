@@ -39,6 +39,8 @@ class RaySection(StrictModel):
     """CPUs in each generator replica's bundle."""
     reward_cpus: float | None = Field(None, gt=0, le=1024)
     """CPUs in each reward replica's bundle; None: ``reward.workers`` (its scoring processes)."""
+    env_cpus: float = Field(1.0, gt=0, le=1024)
+    """CPUs in each env service replica's bundle (runs with an ``episodes`` section)."""
     rollout_strategy: PlacementStrategy = "PACK"
     """Placement of the generator and reward bundles (a placement group of their own); SPREAD puts
     replicas on different nodes."""

@@ -117,6 +117,7 @@ class RayServices:
         self.run_dir = run_dir
         self.generators: dict[str, str] = {}
         self.rewards: dict[str, str] = {}
+        self.envs: dict[str, str] = {}
         self.learner = ""
         self.roles: dict[str, str] = {}
         self.hosts: dict[str, object] = {}  # name -> actor handle
@@ -155,6 +156,8 @@ class RayServices:
             self._start_service(f"gen-{i}", "generator", c.generator, where, ["--replica-id", f"gen-{i}"])
         for i in range(c.services.reward_replicas):
             self._start_service(f"reward-{i}", "reward", c.reward, where, [])
+        for i in range(c.services.env_replicas if c.episodes is not None else 0):
+            self._start_service(f"env-{i}", "env", c.env, where, [])
         self._wait_serving(where, deadline)
         self._write_record()
         threading.Thread(target=self._watch, name="ray-learner-watch", daemon=True).start()
@@ -284,7 +287,7 @@ class RayServices:
             name: self.hosts[name].wait.remote(max(1.0, deadline - time.monotonic()), where[name]["ip"])
             for name in [
                 *self.cfg.role_sections(),
-                *(n for n in self.hosts if n.startswith(("gen-", "reward-"))),
+                *(n for n in self.hosts if n.startswith(("gen-", "reward-", "env-"))),
             ]
         }
         addresses: dict[str, str] = {}
@@ -312,11 +315,13 @@ class RayServices:
         self.roles = {r: addresses.pop(r) for r in self.cfg.role_sections() if r != "learner"}
         self.generators = {n: a for n, a in sorted(addresses.items()) if n.startswith("gen-")}
         self.rewards = {n: a for n, a in sorted(addresses.items()) if n.startswith("reward-")}
+        self.envs = {n: a for n, a in sorted(addresses.items()) if n.startswith("env-")}
         for name, addr in [
             ("learner", self.learner),
             *self.roles.items(),
             *self.generators.items(),
             *self.rewards.items(),
+            *self.envs.items(),
         ]:
             self.record["services"][name]["address"] = addr
             print(f"ray: {name} serving on {addr}", flush=True)

@@ -66,6 +66,8 @@ def plan(cfg: ExperimentConfig, gpus: bool, run_id: str) -> list[GroupPlan]:
     gen = {"CPU": r.generator_cpus, **({"GPU": float(tp)} if gpus else {})}
     reward = {"CPU": float(r.reward_cpus if r.reward_cpus is not None else cfg.reward.workers)}
     n_gen, n_reward = cfg.services.generator_replicas, cfg.services.reward_replicas
+    n_env = cfg.services.env_replicas if cfg.episodes is not None else 0
+    env = {"CPU": r.env_cpus}
     learners = [
         GroupPlan(
             f"relayrl-{run_id}-{role}",
@@ -80,8 +82,12 @@ def plan(cfg: ExperimentConfig, gpus: bool, run_id: str) -> list[GroupPlan]:
         GroupPlan(
             f"relayrl-{run_id}-rollout",
             r.rollout_strategy,
-            [dict(gen) for _ in range(n_gen)] + [dict(reward) for _ in range(n_reward)],
-            [f"gen-{i}" for i in range(n_gen)] + [f"reward-{i}" for i in range(n_reward)],
+            [dict(gen) for _ in range(n_gen)]
+            + [dict(reward) for _ in range(n_reward)]
+            + [dict(env) for _ in range(n_env)],
+            [f"gen-{i}" for i in range(n_gen)]
+            + [f"reward-{i}" for i in range(n_reward)]
+            + [f"env-{i}" for i in range(n_env)],
         ),
     ]
 

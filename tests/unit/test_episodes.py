@@ -1,0 +1,223 @@
+"""Multi-turn episodes in the coordinator (``coordinator.episodes``), against stand-in generator and
+env clients: what is tested is how the coordinator runs turns, checks them and turns them into
+learner samples, not the services (their own tests do that)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+from relayrl.common.v1 import common_pb2
+from relayrl.coordinator.batch import fresh_groups, reward_stats, train_sample
+from relayrl.coordinator.config import AlgorithmSection, EpisodesSection, SamplingSection, ScheduleSection
+from relayrl.coordinator.config import ServicesSection
+from relayrl.coordinator.envs import EpisodeLost
+from relayrl.coordinator.episodes import ChatTemplateUnfit, MultiTurn, ToolsNeverCalled
+from relayrl.coordinator.trajectories import PrefixViolation
+from relayrl.env.v1 import env_pb2 as ev
+from relayrl.generator.v1 import generator_pb2 as g
+from relayrl.reward.v1 import reward_pb2 as rw
+
+STOP = 99
+PROMPT = [1, 2, 3]
+BRIDGE = [7, 8]  # what the stand-in generator renders a tool answer as
+TOOLS = json.dumps([{"type": "function", "function": {"name": "calc", "parameters": {}}}])
+
+
+class Gen:
+    """A generator pool: turn 0 calls the tool (completion 10 11 STOP), later turns answer
+    (12 STOP). ``calls_tool`` False: never a tool call. ``drift``: later prompts re-rendered."""
+
+    def __init__(self, calls_tool=True, drift=False, check=None):
+        self.calls_tool, self.drift = calls_tool, drift
+        self.check = check or g.CheckChatResponse(
+            round_trip_ok=True, prefix_preserving=True, stop_token_ids=[STOP]
+        )
+        self.requests: list[tuple[str, g.SamplingParams, str]] = []
+
+    async def check_chat(self, tools_json, tool_format):
+        return self.check, 4096
+
+    async def generate(self, prompts, sampling, request_id, min_version=0, affinity=""):
+        (p,) = prompts
+        self.requests.append((p.prompt_id, sampling, affinity))
+        if p.WhichOneof("input") == "messages":
+            assert p.messages.tools_json == TOOLS
+            ids, first = PROMPT, True
+        else:
+            prefix = list(p.continuation.prefix_token_ids)
+            ids, first = (prefix[:-1] + [5] + BRIDGE) if self.drift else (prefix + BRIDGE), False
+        call = first and self.calls_tool
+        s = common_pb2.Sample(
+            prompt_id=p.prompt_id,
+            prompt_token_ids=ids,
+            completion_token_ids=[10, 11, STOP] if call else [12, STOP],
+            logprobs=[-0.5, -0.25, -0.125] if call else [-1.0, -0.0625],
+            finish_reason=common_pb2.FINISH_REASON_STOP,
+            policy_version=min_version,
+            text="<tool_call>" if call else "42",
+            tool_calls=[common_pb2.ToolCall(id="c0", name="calc", arguments_json="{}", parse=1)]
+            if call
+            else [],
+        )
+        return {p.prompt_id: [s]}
+
+
+class Env:
+    """An env pool: a tool call gets a tool answer, an answer ends the episode with reward 1.
+    ``lose``: how many attempts of every episode fail (the replica died). ``outcome``: Close's."""
+
+    def __init__(self, lose=0, outcome=ev.OUTCOME_OK, expects_tools=True):
+        self.lose, self.outcome, self.expects_tools = lose, outcome, expects_tools
+        self.resets: list[tuple[str, int, int]] = []
+        self.open: set[str] = set()
+
+    async def env_info(self, name):
+        return ev.EnvInfo(name=name, tools_json=TOOLS, expects_tools=self.expects_tools, max_turns=4)
+
+    async def reset(self, req):
+        self.resets.append((req.episode_id, req.attempt, req.seed))
+        if req.attempt < self.lose:
+            raise EpisodeLost("env-0: Reset UNAVAILABLE: gone")
+        sid = f"{req.episode_id}#{req.attempt}"
+        self.open.add(sid)
+        msgs = [common_pb2.ChatMessage(role="user", content="What is 6 * 7?")]
+        return "env-0", ev.ResetResponse(session_id=sid, messages=msgs, tools_json=TOOLS, max_turns=4)
+
+    async def step(self, rep, req):
+        if req.action.tool_calls:
+            obs = [common_pb2.ChatMessage(role="tool", content="42", tool_call_id="c0", name="calc")]
+            return ev.StepResponse(observations=obs, tool_results=[ev.ToolResult(status=ev.TOOL_STATUS_OK)])
+        return ev.StepResponse(done=True)
+
+    async def close_session(self, rep, req):
+        self.open.discard(req.session_id)
+        return ev.CloseResponse(reward=1.0, outcome=self.outcome, failure_kind="verifier_failed")
+
+
+def _cfg(n=2, **episodes):
+    return SimpleNamespace(
+        seed=5,
+        episodes=EpisodesSection(env="calc", **episodes),
+        sampling=SamplingSection(n=n, max_tokens=16),
+        schedule=ScheduleSection(max_staleness=0, eval_samples=1),
+        algorithm=AlgorithmSection(advantage="grpo"),
+        services=ServicesSection(),
+    )
+
+
+def _run(source, batch=(("p0", {"prompt": []}),), evaluation=False):
+    return asyncio.run(source.rollout(list(batch), evaluation, "step1", 3))
+
+
+def test_an_episode_is_one_sample_whose_environment_tokens_are_masked():
+    gen, env = Gen(), Env()
+    ro = _run(MultiTurn(_cfg(), gen, env))
+    ((row, samples, results),) = ro.groups
+    assert [r.reward for r in results] == [1.0, 1.0] and all(r.status == rw.SCORE_STATUS_OK for r in results)
+    s = samples[0]
+    assert list(s.prompt_token_ids) == PROMPT
+    # the model's turn, the environment's answer, the model's turn: one token stream
+    assert list(s.completion_token_ids) == [10, 11, STOP, *BRIDGE, 12, STOP]
+    assert ro.mask(s) == [1, 1, 1, 0, 0, 1, 1]
+    assert list(s.logprobs) == [-0.5, -0.25, -0.125, 0.0, 0.0, -1.0, -0.0625]
+    ts = train_sample(s, ro.mask(s), advantage=1.0)
+    assert list(ts.loss_mask) == [1, 1, 1, 0, 0, 1, 1]
+    # turns: seeded by their own prompt ids, each episode on one replica (affinity), stopping at end of turn
+    assert [(pid, aff) for pid, _, aff in gen.requests if pid.startswith("p0/0/")] == [
+        ("p0/0/t0", "p0/0"),
+        ("p0/0/t1", "p0/0"),
+    ]
+    assert all(
+        sp.seed == 5 and list(sp.stop_token_ids) == [STOP] and sp.tool_format == "hermes"
+        for _, sp, _ in gen.requests
+    )
+    assert ro.stats["tool_calls_per_episode"] == 1 and ro.stats["turns_per_episode"] == 2
+    assert ro.stats["episodes_without_tool_call"] == 0 and ro.stats["env_redo"] == 0
+    assert ro.gen_tokens == 2 * 5  # the model's tokens only
+    assert not env.open  # every session closed
+
+
+def test_a_turn_that_does_not_extend_the_exact_tokens_stops_the_run():
+    with pytest.raises(PrefixViolation, match="p0/./ turn 1|turn 1"):
+        _run(MultiTurn(_cfg(), Gen(drift=True), Env()))
+
+
+def test_a_lost_episode_is_redone_with_the_same_seed():
+    env = Env(lose=1)
+    ro = _run(MultiTurn(_cfg(n=1), Gen(), env))
+    assert [r.reward for r in ro.groups[0][2]] == [1.0]
+    assert ro.stats["env_redo"] == 1 and ro.stats["env_masked"] == 0
+    (e0, a0, s0), (e1, a1, s1) = env.resets
+    assert (e0, a0) == ("p0/0", 0) and (e1, a1) == ("p0/0", 1) and s0 == s1
+
+
+def test_an_episode_lost_on_every_attempt_is_masked_never_a_zero_reward():
+    cfg = _cfg(n=2, max_attempts=2)
+    cfg.services = ServicesSection(max_reward_error_fraction=1.0)
+    ro = _run(MultiTurn(cfg, Gen(), Env(lose=5)))
+    results = ro.groups[0][2]
+    assert all(r.status == rw.SCORE_STATUS_ERROR for r in results)
+    assert ro.stats["env_masked"] == 2
+    groups, stats = fresh_groups(cfg, 3, ro)
+    assert groups == [[]] and stats["unscored_samples"] == 2 and stats["dropped_stale_groups"] == 0
+    assert reward_stats(cfg, ro)["reward_errors"] == 2
+
+
+def test_an_episode_the_env_masks_stays_out_of_training_and_of_the_baseline():
+    cfg = _cfg(n=2)
+    cfg.services = ServicesSection(max_reward_error_fraction=1.0)
+    ro = _run(MultiTurn(cfg, Gen(), Env(outcome=ev.OUTCOME_MASK)))
+    assert ro.stats["env_masked"] == 2 and ro.stats["tool_calls_per_episode"] == 1
+    assert all("verifier_failed" in r.error for r in ro.groups[0][2])
+    groups, _ = fresh_groups(cfg, 3, ro)
+    assert groups == [[]]
+
+
+def test_an_env_that_expects_tools_and_sees_none_trips_the_alarm_on_the_third_step():
+    source = MultiTurn(_cfg(zero_tool_alarm="fail"), Gen(calls_tool=False), Env())
+    for _ in range(2):
+        ro = _run(source)
+        assert ro.stats["alarm_zero_tool_calls"] == 0 and ro.stats["episodes_without_tool_call"] == 2
+    _run(source, evaluation=True)  # evaluations do not count
+    with pytest.raises(ToolsNeverCalled, match="none in 3 training steps"):
+        _run(source)
+    warn = MultiTurn(_cfg(), Gen(calls_tool=False), Env())
+    assert [_run(warn).stats["alarm_zero_tool_calls"] for _ in range(4)] == [0, 0, 1, 1]
+    quiet = MultiTurn(_cfg(zero_tool_alarm="fail"), Gen(calls_tool=False), Env(expects_tools=False))
+    assert all("alarm_zero_tool_calls" not in _run(quiet).stats for _ in range(4))
+
+
+@pytest.mark.parametrize(
+    ("check", "match"),
+    [
+        (
+            g.CheckChatResponse(
+                tools_missing_from_prompt=["calc"], round_trip_ok=True, prefix_preserving=True
+            ),
+            "out of the prompt",
+        ),
+        (
+            g.CheckChatResponse(
+                round_trip_ok=False, round_trip_detail="no <tool_call>", prefix_preserving=True
+            ),
+            "parse back",
+        ),
+        (
+            g.CheckChatResponse(round_trip_ok=True, prefix_preserving=False, bridge_detail="turn 2 differs"),
+            "turn 2 differs",
+        ),
+    ],
+)
+def test_a_chat_template_that_cannot_run_the_episodes_is_refused_before_the_first_step(check, match):
+    with pytest.raises(ChatTemplateUnfit, match=match):
+        asyncio.run(MultiTurn(_cfg(), Gen(check=check), Env()).prepare())
+
+
+def test_template_drift_may_be_allowed_explicitly():
+    check = g.CheckChatResponse(round_trip_ok=True, prefix_preserving=False, stop_token_ids=[STOP])
+    source = MultiTurn(_cfg(allow_template_drift=True), Gen(check=check), Env())
+    asyncio.run(source.prepare())
+    assert source.stop_ids == [STOP]

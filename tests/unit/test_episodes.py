@@ -11,8 +11,13 @@ from types import SimpleNamespace
 import pytest
 from relayrl.common.v1 import common_pb2
 from relayrl.coordinator.batch import fresh_groups, reward_stats, train_sample
-from relayrl.coordinator.config import AlgorithmSection, EpisodesSection, SamplingSection, ScheduleSection
-from relayrl.coordinator.config import ServicesSection
+from relayrl.coordinator.config import (
+    AlgorithmSection,
+    EpisodesSection,
+    SamplingSection,
+    ScheduleSection,
+    ServicesSection,
+)
 from relayrl.coordinator.envs import EpisodeLost
 from relayrl.coordinator.episodes import ChatTemplateUnfit, MultiTurn, ToolsNeverCalled
 from relayrl.coordinator.trajectories import PrefixViolation

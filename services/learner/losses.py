@@ -34,6 +34,14 @@ ref/pi - log(ref/pi) - 1 (Schulman's unbiased, non-negative estimator, clamped t
 the reward's k3 is, verl's bound), added per token before aggregation; with ``kl_ratio``
 multiplied by the policy's ratio (TRL's bias-corrected KL).
 
+Learner/generator agreement (actors with behaviour log-probs, not SFT): ``logprob_abs_diff`` sums
+|logp - behavior| over counted tokens, from the log-probs the loss already has (no second
+forward); ``after_env_abs_diff`` the same over only the first ``AFTER_ENV_WINDOW`` counted tokens
+after each masked span, and ``after_env_weight`` their mask weight. In a multi-turn episode the
+masked spans are the environment's tokens (tool answers the chat template rendered): a template or
+bridge bug shows there first, as a spike right after the bridge, which a mean over the whole
+completion dilutes. Weighted by the mask value, as every other token mean.
+
 Value loss of the critic (PPO; verl's ``compute_value_loss``): 0.5 max((V - R)^2, (clip(V,
 V_old - c, V_old + c) - R)^2) per token, aggregated as the policy loss.
 """
@@ -44,6 +52,11 @@ from dataclasses import dataclass
 
 import torch
 from relayrl.learner.config import K3_BOUND, K3_LOG_RATIO_BOUND, LossConfig
+
+AFTER_ENV_WINDOW = 8
+"""Counted tokens after each masked (environment) span that ``after_env_abs_diff`` watches."""
+POLICY_SUMS = ("clipped", "kl", "tis_weight")
+BEHAVIOR_SUMS = ("logprob_abs_diff", "after_env_abs_diff", "after_env_weight")
 
 
 @dataclass
@@ -158,6 +171,47 @@ def value_loss(
     }
 
 
+def after_masked_span(mask: torch.Tensor, window: int = AFTER_ENV_WINDOW) -> torch.Tensor:
+    """[B, T] bool: the first ``window`` counted tokens (mask > 0) after each masked span of a row.
+    A masked span is one or more tokens of mask 0 followed by a counted token; the padding after a
+    row's end is none (nothing counted follows it).
+
+    >>> m = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 0, 1], [0, 0.5, 1, 1, 1, 1, 1, 1, 1]])
+    >>> after_masked_span(m, 2).int().tolist()
+    [[0, 0, 0, 0, 1, 1, 0, 0, 1], [0, 1, 1, 0, 0, 0, 0, 0, 0]]
+    """
+    live = mask > 0
+    pos = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    # Index of the latest masked token at or before each position (-1: none yet in the row).
+    last_masked = torch.where(live, -1, pos).cummax(dim=1).values
+    return live & (last_masked >= 0) & (pos - last_masked <= window)
+
+
+def behavior_gap(logprobs: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Sums of |logp - behavior| over counted tokens, all of them and those right after a masked
+    span (``BEHAVIOR_SUMS``), weighted by the mask. Masked tokens never count: the environment's
+    tokens carry no generator log-prob (0.0 on the wire).
+
+    >>> lp, beh = torch.tensor([[-1.0, -2.0, -3.0, -1.5]]), torch.tensor([[-1.1, 0.0, -2.0, -1.5]])
+    >>> {k: round(v, 4) for k, v in behavior_gap(lp, beh, torch.tensor([[1.0, 0.0, 0.5, 1.0]])).items()}
+    {'logprob_abs_diff': 0.6, 'after_env_abs_diff': 0.5, 'after_env_weight': 1.5}
+    """
+    mask = mask.to(torch.float64)
+    live = mask > 0
+    gap = torch.where(live, (logprobs.detach().double() - behavior.double()).abs(), 0.0) * mask
+    after = after_masked_span(mask).to(mask.dtype)
+    return {
+        "logprob_abs_diff": float(gap.sum()),
+        "after_env_abs_diff": float((gap * after).sum()),
+        "after_env_weight": float((mask * after).sum()),
+    }
+
+
+def policy_sums(cfg: LossConfig) -> tuple[str, ...]:
+    """The metric sums ``policy_loss`` returns under ``cfg``: SFT has no behaviour log-probs."""
+    return POLICY_SUMS if cfg.kind == "sft" else POLICY_SUMS + BEHAVIOR_SUMS
+
+
 def aggregation_of(cfg: LossConfig) -> str:
     if cfg.kind == "drgrpo":
         return "drgrpo"
@@ -171,8 +225,9 @@ def aggregation_of(cfg: LossConfig) -> str:
 def policy_loss(inp: LossInputs, cfg: LossConfig, totals: Totals) -> tuple[torch.Tensor, dict[str, float]]:
     """The micro-batch's share of the step loss, and partial sums for metrics.
 
-    Metrics returned are sums over this micro-batch's counted tokens (``clipped``, ``kl``,
-    ``tis_weight``); the caller adds them up and divides by the global token count.
+    Metrics returned are sums over this micro-batch's counted tokens (``policy_sums``); the caller
+    adds them up and divides by the global token count (``after_env_abs_diff`` by the sum of
+    ``after_env_weight``).
     """
     mask = inp.mask.to(inp.logprobs.dtype)
     how = aggregation_of(cfg)
@@ -221,4 +276,5 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, totals: Totals) -> tuple[torch
         "clipped": float(clipped.sum()),
         "kl": kl_sum,
         "tis_weight": float((weight * mask).sum()),
+        **behavior_gap(inp.logprobs, inp.behavior_logprobs, inp.mask),
     }

@@ -29,7 +29,7 @@ from relayrl.common.weightsync.plan import Bucket, TensorMeta, plan_buckets
 from relayrl.learner.batching import plan_step
 from relayrl.learner.config import LearnerConfig
 from relayrl.learner.logprobs import chunk_rows, head_calls
-from relayrl.learner.losses import LossInputs, Totals, policy_loss, value_loss
+from relayrl.learner.losses import LossInputs, Totals, policy_loss, policy_sums, value_loss
 from relayrl.learner.models import Policy, ValueModel
 from relayrl.learner.samples import Batch, Sample, to_batch
 
@@ -37,18 +37,42 @@ logger = logging.getLogger(__name__)
 
 
 METRIC_SUMS = {
-    "actor": ("clipped", "kl", "tis_weight"),
     "critic": ("vf_clipped", "vf_sq_err"),
     "reference": (),
 }
 """Per role, the loss's metric sums a step adds up over micro-batches and ranks (then divides by
-the step's tokens), under the names of ``METRIC_NAMES``."""
+the step's tokens), under the names of ``METRIC_NAMES``; an actor's are its loss's
+(``policy_sums``)."""
 METRIC_NAMES = {
     "clipped": "clip_fraction",
     "tis_weight": "tis_weight_mean",
     "vf_clipped": "clip_fraction",
     "vf_sq_err": "vf_mse",
+    "after_env_abs_diff": "logprob_abs_diff_after_env",
 }
+METRIC_COUNTS = {"after_env_abs_diff": "after_env_weight"}
+"""Sums divided by a count summed beside them rather than by the step's tokens. The count itself
+is not reported, and nor is the mean when its count is 0 (a step without multi-turn episodes
+has no token after an environment span: absent, not a misleading 0)."""
+
+
+def token_means(sums: dict[str, float], tokens: float) -> dict[str, float]:
+    """The step's metric sums (over micro-batches and ranks) -> token-weighted means by name.
+
+    >>> token_means({"clipped": 2.0, "after_env_abs_diff": 0.5, "after_env_weight": 2.0}, 8.0)
+    {'clip_fraction': 0.25, 'logprob_abs_diff_after_env': 0.25}
+    >>> token_means({"after_env_abs_diff": 0.0, "after_env_weight": 0.0}, 8.0)
+    {}
+    """
+    counts = set(METRIC_COUNTS.values())
+    out = {}
+    for n, v in sums.items():
+        if n in counts:
+            continue
+        count = sums[METRIC_COUNTS[n]] if n in METRIC_COUNTS else tokens
+        if count > 0:
+            out[METRIC_NAMES.get(n, n)] = v / count
+    return out
 
 
 def ds_config(cfg: LearnerConfig, hidden_size: int) -> dict:
@@ -206,7 +230,7 @@ class Trainer:
         totals = Totals(
             tokens=max(1, int(total_tokens)), sequences=len(samples), max_tokens=max_completion_tokens
         )
-        names = METRIC_SUMS[self.role]
+        names = policy_sums(self.cfg.loss) if self.role == "actor" else METRIC_SUMS[self.role]
         # On the training device: an NCCL group takes no CPU tensor (issue 13 found this one).
         sums = torch.zeros(2 + len(names), dtype=torch.float64, device=self.device)  # loss, entropy, ...
         self.engine.train()
@@ -239,7 +263,7 @@ class Trainer:
         if self.device.type == "cpu":
             trim_heap()  # the step's activations go back to the OS (relayrl.common.memory)
         t = float(totals.tokens)
-        per_token_means = {METRIC_NAMES.get(n, n): float(sums[2 + i]) / t for i, n in enumerate(names)}
+        per_token_means = token_means(dict(zip(names, sums[2:].tolist(), strict=True)), t)
         return {
             "applied": applied,
             "loss": float(sums[0]),

@@ -174,6 +174,8 @@ def test_train_push_and_generator_matches_learner(stack):
         m = r.metrics
         assert m.samples == 6 and m.tokens > 0 and m.grad_norm > 0 and m.lr == pytest.approx(1e-3)
         assert 0 <= m.clip_fraction <= 1 and m.entropy > 0 and m.step_seconds > 0
+        # Made-up generator log-probs: a gap, and single-turn samples have no env span to follow.
+        assert m.extra["logprob_abs_diff"] > 0 and "logprob_abs_diff_after_env" not in m.extra
     assert train(stub, 2, seed=2) == r2  # a retried step is answered, not trained twice
     reg = stub.RegisterGenerator(
         lp.RegisterGeneratorRequest(address=gen_addr, replica_id="gen-0"), timeout=60
@@ -222,6 +224,53 @@ def test_train_push_and_generator_matches_learner(stack):
     base = AutoModelForCausalLM.from_pretrained(stack[5], dtype=torch.float32)
     changed = [n for n, p in hf.named_parameters() if not torch.equal(p, dict(base.named_parameters())[n])]
     assert len(changed) == len(list(base.parameters())), "every parameter moved in two steps"
+
+
+def test_multi_turn_episodes_train_with_the_generators_logprobs(stack):
+    """Episodes the generator sampled at the learner's weights (float32 both), environment tokens
+    spliced between turns as the coordinator bridges them (loss_mask 0, generator log-prob 0.0):
+    the step's learner-generator gap is numerical noise, right after the bridges too."""
+    stub, gen, gen_addr, *_ = stack
+    st = stub.GetStatus(lp.GetStatusRequest(), timeout=10)
+    if not st.generators:
+        stub.RegisterGenerator(lp.RegisterGeneratorRequest(address=gen_addr, replica_id="gen-0"), timeout=60)
+    if gen.GetStatus(g.GetStatusRequest(), timeout=10).policy_version != st.policy_version:
+        stub.PushWeights(lp.PushWeightsRequest(version=st.policy_version), timeout=300)
+
+    def sample(prompts: dict[str, list[int]], n: int):
+        req = g.GenerateRequest(
+            prompts=[
+                common_pb2.Prompt(prompt_id=k, token_ids=common_pb2.TokenIds(ids=v))
+                for k, v in prompts.items()
+            ],
+            sampling=g.SamplingParams(n=1, temperature=1.0, max_tokens=n, ignore_eos=True, seed=5),
+        )
+        return {s.prompt_id: s for r in gen.Generate(req, timeout=120) for s in r.samples}
+
+    env = [7, 8, 9]  # a tool answer, rendered
+    prompts = {f"p{i}": [1, 20 + i, 30, 40, 50] for i in range(3)}
+    first = sample(prompts, 6)
+    ctx = {k: p + list(first[k].completion_token_ids) + env for k, p in prompts.items()}
+    second = sample(ctx, 12)  # longer than the 8-token window after the bridge
+    samples = []
+    for i, (k, p) in enumerate(prompts.items()):
+        a, b = first[k], second[k]
+        samples.append(
+            lp.TrainSample(
+                prompt_token_ids=p,
+                completion_token_ids=[*a.completion_token_ids, *env, *b.completion_token_ids],
+                generator_logprobs=[*a.logprobs, *[0.0] * len(env), *b.logprobs],
+                loss_mask=[1.0] * len(a.logprobs) + [0.0] * len(env) + [1.0] * len(b.logprobs),
+                advantage=1.0 if i % 2 else -1.0,
+                policy_version=st.policy_version,
+            )
+        )
+    r = stub.TrainStep(lp.TrainStepRequest(run_id="t", step=st.step + 1, samples=samples), timeout=300)
+    extra = r.metrics.extra
+    assert r.metrics.tokens == 3 * (6 + 12)
+    assert 0 <= extra["logprob_abs_diff"] < 1e-3, extra
+    assert 0 <= extra["logprob_abs_diff_after_env"] < 1e-3, extra
+    assert "after_env_weight" not in extra
 
 
 def test_unreachable_generator_is_refused_at_registration_and_training_goes_on(stack):

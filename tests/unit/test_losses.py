@@ -22,7 +22,16 @@ import torch
 from pydantic import ValidationError
 from relayrl.coordinator.algorithms.token_advantages import kl_penalty
 from relayrl.learner.config import K3_BOUND, LossConfig
-from relayrl.learner.losses import LossInputs, Totals, kl_estimate, policy_loss, value_loss
+from relayrl.learner.losses import (
+    LossInputs,
+    Totals,
+    after_masked_span,
+    kl_estimate,
+    policy_loss,
+    policy_sums,
+    value_loss,
+)
+from relayrl.learner.trainer import token_means
 
 approx = partial(pytest.approx, rel=1e-9)
 e = math.exp
@@ -60,7 +69,17 @@ def test_grpo_sequence_aggregation():
     # d(-r*A)/dlogp = -r*A on unclipped tokens, 0 on clipped ones; / (length * sequences).
     assert grad[0] == approx([0.0, -e(-0.1) / 8, 0.0, -e(0.1) / 8])
     assert grad[1] == approx([0.0, 2 * e(0.3) / 6, 2 * e(0.05) / 6, 0.0])
-    assert metrics == {"clipped": 3.0, "kl": 0.0, "tis_weight": 7.0}
+    # |d| over the 7 counted tokens: 0.82 + 0.85; no masked span is followed by a counted token.
+    assert metrics == approx(
+        {
+            "clipped": 3.0,
+            "kl": 0.0,
+            "tis_weight": 7.0,
+            "logprob_abs_diff": 1.67,
+            "after_env_abs_diff": 0.0,
+            "after_env_weight": 0.0,
+        }
+    )
 
 
 def test_grpo_token_aggregation():
@@ -315,3 +334,86 @@ def test_value_clip_fraction_counts_only_tokens_the_clip_moved(dtype):
         far, old, torch.tensor([[2.0]], dtype=dtype), torch.ones(1, 1), 0.5, "token", Totals(1, 1)
     )
     assert m["vf_clipped"] == 1.0
+
+
+def multi_turn_episodes() -> tuple[LossInputs, float, float, float, float]:
+    """Two rows of width 24 whose learner-generator gaps d = logp - behavior are set token by token;
+    returns the inputs and the expected sums (|d| all, |d| after env, its weight) and tokens.
+
+    row 0, a 3-turn episode:  0-4 turn 1 (d = +0.1)      5-7 env (mask 0, behavior 0.0, logp -5)
+                              8-15 turn 2 (d = -0.2)     16-17 turn 2 (d = +0.05): past the window
+                              18-19 env                  20-21 turn 3 (d = 0.3, masks 0.5 and 1)
+                              22-23 padding (mask 0, garbage logp)
+    row 1, single turn:       0-19 (d = 0.01)            20-23 padding
+    """
+    lp = torch.full((2, 24), -1.0, dtype=torch.float64)
+    beh = lp.clone()
+    mask = torch.ones(2, 24, dtype=torch.float64)
+    beh[0, 0:5] -= 0.1
+    beh[0, 8:16] += 0.2
+    beh[0, 16:18] -= 0.05
+    beh[0, 20:22] -= 0.3
+    beh[1, 0:20] -= 0.01
+    for lo, hi in ((5, 8), (18, 20), (22, 24)):
+        mask[0, lo:hi], beh[0, lo:hi], lp[0, lo:hi] = 0.0, 0.0, -5.0
+    mask[0, 20] = 0.5
+    mask[1, 20:], lp[1, 20:] = 0.0, -7.0
+    gap = 0.5 + 1.6 + 0.1 + 0.3 * 0.5 + 0.3 + 0.2
+    after, weight = 1.6 + 0.3 * 0.5 + 0.3, 8 + 1.5
+    tokens = 5 + 10 + 1.5 + 20
+    inp = LossInputs(lp.clone().requires_grad_(), beh, torch.ones(2), mask, lp - 0.1)
+    return inp, gap, after, weight, tokens
+
+
+def test_after_masked_span_marks_the_first_window_tokens_after_each_env_span():
+    inp, *_ = multi_turn_episodes()
+    want = torch.zeros(2, 24, dtype=torch.bool)
+    want[0, 8:16] = want[0, 20:22] = True  # not 16-17 (past 8), not the padding, not row 1
+    assert torch.equal(after_masked_span(inp.mask), want)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS.values(), ids=CONFIGS.keys())
+def test_logprob_gap_counts_trained_tokens_only_and_the_window_after_env(cfg):
+    inp, gap, after, weight, tokens = multi_turn_episodes()
+    _, m = policy_loss(inp, cfg, Totals(tokens=int(tokens), sequences=2, max_tokens=24))
+    # An env token counted would add 5 per token; a window of 7 or 9 tokens would move by 0.2
+    # or 0.05; padding counted would add 7.
+    assert m["logprob_abs_diff"] == approx(gap)
+    assert m["after_env_abs_diff"] == approx(after) and m["after_env_weight"] == approx(weight)
+    means = token_means({n: m[n] for n in policy_sums(cfg)}, tokens)
+    assert means["logprob_abs_diff"] == approx(gap / tokens)
+    assert means["logprob_abs_diff_after_env"] == approx(after / weight)
+    assert "after_env_weight" not in means
+    # Summed over micro-batches (one row each) the sums are the whole batch's.
+    fields = (inp.logprobs, inp.behavior_logprobs, inp.advantages, inp.mask, inp.ref_logprobs)
+    halves = [policy_loss(LossInputs(*(x[i : i + 1] for x in fields)), cfg, TOTALS)[1] for i in (0, 1)]
+    for n in ("logprob_abs_diff", "after_env_abs_diff", "after_env_weight"):
+        assert halves[0][n] + halves[1][n] == approx(m[n])
+
+
+def test_logprob_gap_leaves_the_loss_and_its_gradient_alone():
+    """The gap comes from the loss's own log-probs (no second forward) and adds nothing to it."""
+    cfg = LossConfig()
+    inp, *_ = multi_turn_episodes()
+    loss, _ = policy_loss(inp, cfg, TOTALS)
+    (grad,) = torch.autograd.grad(loss, inp.logprobs)
+    moved, *_ = multi_turn_episodes()
+    moved.behavior_logprobs[0, 5:8] = -30.0  # env tokens: no effect on anything
+    loss2, m2 = policy_loss(moved, cfg, TOTALS)
+    assert loss2.item() == approx(loss.item())
+    assert torch.equal(torch.autograd.grad(loss2, moved.logprobs)[0], grad)
+    assert m2["logprob_abs_diff"] == approx(multi_turn_episodes()[1])
+
+
+@pytest.mark.parametrize("cfg", [*CONFIGS.values(), LossConfig(kind="sft")], ids=[*CONFIGS, "sft"])
+def test_policy_sums_name_exactly_the_sums_the_loss_returns(cfg):
+    _, m = policy_loss(batch(), cfg, TOTALS)
+    assert tuple(m) == policy_sums(cfg)
+    assert ("logprob_abs_diff" in m) == (cfg.kind != "sft")  # SFT has no generator log-probs
+
+
+def test_a_step_without_env_spans_reports_no_after_env_mean():
+    _, m = policy_loss(batch(), LossConfig(), TOTALS)
+    means = token_means({n: m[n] for n in policy_sums(LossConfig())}, 7.0)
+    assert means["logprob_abs_diff"] == approx(1.67 / 7)
+    assert "logprob_abs_diff_after_env" not in means  # absent, not 0

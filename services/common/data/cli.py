@@ -23,6 +23,10 @@ _PARAM_FLAGS = {
     "min_operands": "--min-operands",
     "max_operands": "--max-operands",
     "max_value": "--max-value",
+    "min_digits": "--min-digits",
+    "max_digits": "--max-digits",
+    "low": "--low",
+    "high": "--high",
     "shots": "--shots",
 }
 
@@ -31,7 +35,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``data`` subcommand to an ``argparse`` subparsers object; return its parser."""
     p = subparsers.add_parser(
         "data",
-        help="write a task dataset (countdown, arithmetic, reverse) as parquet or jsonl",
+        help="write a task dataset (countdown, arithmetic, reverse, calc, guess) as parquet or jsonl",
         description=__doc__.split("\n\n")[0],
     )
     p.add_argument("task", choices=sorted(TASKS), help="which task to generate")
@@ -48,6 +52,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--min-operands", type=int, help="arithmetic: fewest operands (default 2)")
     p.add_argument("--max-operands", type=int, help="arithmetic: most operands (default 3)")
     p.add_argument("--max-value", type=int, help="arithmetic: largest operand (default 99)")
+    p.add_argument("--min-digits", type=int, help="calc: fewest digits of a factor (default 3)")
+    p.add_argument("--max-digits", type=int, help="calc: most digits of a factor (default 3)")
+    p.add_argument("--low", type=int, help="guess: smallest hidden number (default 1)")
+    p.add_argument("--high", type=int, help="guess: largest hidden number (default 63)")
     p.add_argument(
         "--shots",
         type=int,

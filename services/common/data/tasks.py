@@ -1,10 +1,12 @@
 """Deterministic task generators that emit rows in verl's parquet schema.
 
-Three tasks, each small enough for a tiny model and checkable by a rule-based reward:
+Five tasks, each small enough for a tiny model and checkable by a rule-based reward:
 
 - ``countdown`` (TinyZero): reach a target with + - * / using every given number once.
 - ``arithmetic``: evaluate a 2-3 operand integer expression.
 - ``reverse``: reverse a string of digits, optionally with a step-by-step ``<think>`` trace.
+- ``calc`` (multi-turn, env ``calc``): multiply two numbers, with a calculator tool.
+- ``guess`` (multi-turn, env ``guess``): find a hidden number from higher/lower answers.
 
 Out flows a list of rows, one dict per problem::
 
@@ -198,6 +200,57 @@ def _reverse_reference(row: Mapping[str, Any]) -> str:
     return f"<answer>{answer}</answer>"
 
 
+# ---- calc (multi-turn: the calc tool of the env service) -------------------------------------------
+
+
+def _calc(rng: random.Random, min_digits: int, max_digits: int) -> Problem:
+    a, b = (
+        rng.randint(10 ** (rng.randint(min_digits, max_digits) - 1), 10**max_digits - 1) for _ in range(2)
+    )
+    return Problem(
+        key=f"{a}*{b}",
+        prompt=f"What is {a} * {b}? End with the answer as a number.",
+        ground_truth=str(a * b),
+        info={"expression": f"{a} * {b}"},
+    )
+
+
+def _calc_check(min_digits: int, max_digits: int) -> None:
+    if not 1 <= min_digits <= max_digits <= 6:
+        raise ValueError(f"need 1 <= min_digits <= max_digits <= 6, got {min_digits}..{max_digits}")
+
+
+def _calc_reference(row: Mapping[str, Any]) -> str:
+    return f"The answer is {row['reward_model']['ground_truth']}."
+
+
+# ---- guess (multi-turn: feedback, no tools) ---------------------------------------------------------
+
+
+def _guess(rng: random.Random, low: int, high: int) -> Problem:
+    hidden = rng.randint(low, high)
+    # Distinct problems need distinct keys: a small range has few numbers, so the draw's index
+    # tells rows apart (the env derives nothing from it; the ground truth is the number).
+    return Problem(
+        key=f"{low}-{high}-{hidden}-{rng.getrandbits(32)}",
+        prompt=(
+            f"I am thinking of a number from {low} to {high}. Guess it: write <guess>N</guess>. "
+            "I answer higher, lower or correct."
+        ),
+        ground_truth=str(hidden),
+        info={"low": low, "high": high},
+    )
+
+
+def _guess_check(low: int, high: int) -> None:
+    if not 1 <= low < high <= 1_000_000:
+        raise ValueError(f"need 1 <= low < high <= 1000000, got {low}..{high}")
+
+
+def _guess_reference(row: Mapping[str, Any]) -> str:
+    return f"<guess>{row['reward_model']['ground_truth']}</guess>"
+
+
 # ---- registry ---------------------------------------------------------------------------------------
 
 
@@ -247,7 +300,11 @@ TASKS: dict[str, TaskSpec] = {
         _reverse_check,
         _reverse_reference,
     ),
+    "calc": TaskSpec("calc", "math", {"min_digits": 3, "max_digits": 3}, _calc, _calc_check, _calc_reference),
+    "guess": TaskSpec("guess", "game", {"low": 1, "high": 63}, _guess, _guess_check, _guess_reference),
 }
+SINGLE_TURN_TASKS = ("arithmetic", "countdown", "reverse")
+"""The tasks a single completion answers (the others are multi-turn: an env service's episodes)."""
 
 
 def generate(task: str, n: int, seed: int, split: str = "train", **params: Any) -> list[dict[str, Any]]:

@@ -58,7 +58,23 @@ SERVICES: dict[str, dict[str, tuple[str, type, str]]] = {
         ),
     },
     "coordinator": {},
+    "env": {
+        "--plugin": (
+            "plugins",
+            list,
+            "user environment MODULE:CLASS (repeatable): an Env subclass, or a TRL-style class "
+            "(public methods are tools, reset(**row), get_reward())",
+        ),
+        "--max-sessions": ("max_sessions", int, "most sessions open at once (default 1024)"),
+        "--lease-seconds": (
+            "lease_seconds",
+            float,
+            "idle time after which a session is closed (default 300)",
+        ),
+    },
 }
+# Metavar of the repeatable (list) flags, by service.
+_LIST_METAVAR = {"env": "MODULE:CLASS"}
 # Launcher flags of the learner (torchrun rendezvous), not config fields.
 _LAUNCH = {
     "--nnodes": (int, "nodes taking part (default 1)"),
@@ -85,6 +101,10 @@ def _config_class(service: str):
         from relayrl.reward.config import RewardConfig
 
         return RewardConfig
+    if service == "env":
+        from relayrl.env.config import EnvConfig
+
+        return EnvConfig
     raise SystemExit(f"relayrl serve: unknown service {service!r}")
 
 
@@ -100,7 +120,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         s.add_argument("--port-file", help="write the bound gRPC port here once serving")
         for flag, (_path, typ, helptext) in {**_COMMON, **flags}.items():
             if typ is list:
-                s.add_argument(flag, action="append", metavar="MODULE:FUNCTION", help=helptext)
+                metavar = _LIST_METAVAR.get(name, "MODULE:FUNCTION")
+                s.add_argument(flag, action="append", metavar=metavar, help=helptext)
             elif typ is bool:  # None unless given, so a config file's value stands
                 s.add_argument(flag, action="store_const", const=True, help=helptext)
             else:
@@ -165,6 +186,10 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(serve(config, args.port_file))
     elif args.service == "coordinator":
         from relayrl.coordinator.server import run as serve
+
+        asyncio.run(serve(config, args.port_file))
+    elif args.service == "env":
+        from relayrl.env.server import run as serve
 
         asyncio.run(serve(config, args.port_file))
     return 0

@@ -1,0 +1,48 @@
+"""Configuration of the environment service (sessions of multi-turn episodes)."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+from relayrl.common.config import StrictModel
+from relayrl.common.serving import ServeConfig
+
+
+class EnvConfig(StrictModel):
+    """One environment replica."""
+
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+    """Where the replica listens."""
+    plugins: list[str] = Field(default_factory=list)
+    """User environments as ``module:Class``: an ``relayrl.env.base.Env`` subclass, or a
+    TRL-style class (public methods are tools, ``reset(**row)`` and ``get_reward()``)."""
+    max_sessions: int = Field(1024, ge=1, le=1_000_000)
+    """Most sessions open at once; a Reset past it is RESOURCE_EXHAUSTED (retry later or
+    elsewhere)."""
+    lease_seconds: float = Field(300.0, gt=0, le=86400)
+    """A session no call touches for this long is closed by the replica (its env freed); later
+    calls on it are NOT_FOUND."""
+    step_timeout_seconds: float = Field(60.0, gt=0, le=3600)
+    """Longest time env code may take in one Reset, Step or Close (and never past the caller's
+    deadline). A Step past it ends the episode, which Close reports REDO ("env_timeout")."""
+    tool_timeout_seconds: float = Field(10.0, gt=0, le=3600)
+    """Longest time one tool call may run; past it the call is answered TIMEOUT and the episode
+    ends (its thread may still be running in the env)."""
+    max_tool_output_chars: int = Field(8192, ge=64, le=1 << 20)
+    """A tool's answer is cut to this many characters (status OUTPUT_TRUNCATED)."""
+    threads: int = Field(64, ge=1, le=4096)
+    """Threads running env code (reset, step, reward, close); tool calls run in threads of their
+    own beside them."""
+    closed_keep_seconds: float = Field(600.0, ge=0, le=86400)
+    """How long a closed or expired session is remembered: a retried Close gets the same answer,
+    a late call a NOT_FOUND that says why."""
+    replica_id: str = Field("", max_length=256)
+    """Id reported by ListEnvs; empty: ``<hostname>:<pid>``."""
+
+    @field_validator("plugins")
+    @classmethod
+    def _plugin_refs(cls, v: list[str]) -> list[str]:
+        for ref in v:
+            mod, sep, name = ref.partition(":")
+            if not sep or not mod or not name:
+                raise ValueError(f"plugin {ref!r} must look like module:Class")
+        return v

@@ -1,0 +1,83 @@
+"""The environments a replica runs: the built-ins (``calc``, ``guess``) and plugins given as
+``module:Class``, either an ``Env`` subclass or a TRL-style class (``adapters.py``). A plugin
+may replace a built-in of the same name, never another plugin."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from relayrl.env.adapters import is_trl_style, trl_env
+from relayrl.env.base import Env
+from relayrl.env.calc import CalcEnv
+from relayrl.env.guess import GuessEnv
+
+BUILTINS: tuple[type[Env], ...] = (CalcEnv, GuessEnv)
+
+
+class PluginError(RuntimeError):
+    """A plugin could not be loaded (import failed, not an env class, bad attributes)."""
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """One env of the replica, as ListEnvs reports it."""
+
+    name: str
+    cls: type[Env]
+    origin: str
+    """``module:Class`` it came from."""
+    from_plugin: bool
+
+    @property
+    def tools_json(self) -> str:
+        return json.dumps(self.cls.tools)
+
+
+def _checked(cls: type[Env], ref: str) -> type[Env]:
+    """``cls`` when its class attributes make sense, else PluginError naming ``ref``."""
+    if not isinstance(cls.name, str) or not cls.name or len(cls.name) > 128:
+        raise PluginError(f"plugin {ref}: name must be a non-empty string of at most 128 characters")
+    if not isinstance(cls.max_turns, int) or not 1 <= cls.max_turns <= 10_000:
+        raise PluginError(
+            f"plugin {ref}: max_turns must be a whole number in 1..10000, got {cls.max_turns!r}"
+        )
+    try:
+        json.dumps(cls.tools)
+    except (TypeError, ValueError) as e:
+        raise PluginError(f"plugin {ref}: tools are not JSON: {e}") from None
+    if not isinstance(cls.tools, list):
+        raise PluginError(f"plugin {ref}: tools must be a list of function schemas")
+    return cls
+
+
+def load_plugin(ref: str) -> type[Env]:
+    """Import ``module:Class``: an ``Env`` subclass, or a TRL-style class (wrapped)."""
+    module, _, name = ref.partition(":")
+    try:
+        obj = getattr(importlib.import_module(module), name)
+    except Exception as e:  # ImportError, AttributeError, or whatever the module raises on import
+        raise PluginError(f"plugin {ref}: cannot load: {type(e).__name__}: {e}") from e
+    if inspect.isclass(obj) and issubclass(obj, Env):
+        return _checked(obj, ref)
+    if is_trl_style(obj):
+        try:
+            return _checked(trl_env(obj), ref)
+        except (TypeError, NameError) as e:  # a type hint that does not resolve
+            raise PluginError(f"plugin {ref}: {type(e).__name__}: {e}") from e
+    raise PluginError(f"plugin {ref}: not an Env subclass nor a class with reset and get_reward")
+
+
+def build_registry(plugins: Sequence[str]) -> dict[str, EnvSpec]:
+    """Built-ins, then plugins, by name."""
+    specs = {c.name: EnvSpec(c.name, c, f"{c.__module__}:{c.__qualname__}", False) for c in BUILTINS}
+    for ref in plugins:
+        cls = load_plugin(ref)
+        prev = specs.get(cls.name)
+        if prev is not None and prev.from_plugin:
+            raise PluginError(f"plugin {ref}: env {cls.name!r} is already served by {prev.origin}")
+        specs[cls.name] = EnvSpec(cls.name, cls, ref, True)
+    return dict(sorted(specs.items()))

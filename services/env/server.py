@@ -1,0 +1,52 @@
+"""Build and run an env replica: registry + session table + EnvService + health + metrics."""
+
+from __future__ import annotations
+
+import logging
+
+from relayrl.common.grpc_server import (
+    ServerHandle,
+    announce_and_serve,
+    create_server,
+    start,
+    start_metrics_server,
+)
+from relayrl.env.config import EnvConfig
+from relayrl.env.registry import PluginError, build_registry
+from relayrl.env.servicer import EnvServicer
+from relayrl.env.sessions import SessionTable
+from relayrl.env.v1 import env_pb2
+
+logger = logging.getLogger(__name__)
+DESCRIPTOR = env_pb2.DESCRIPTOR.services_by_name["EnvService"]
+SERVICE = DESCRIPTOR.full_name
+
+
+def build(config: EnvConfig) -> ServerHandle:
+    """The server (bound, not started) for the envs ``config`` names; call from inside the event
+    loop that will serve (the lease reaper starts on it). Shutting it down closes every open
+    session. Raises ``PluginError`` when a plugin cannot be loaded."""
+    table = SessionTable(build_registry(config.plugins), config)
+    handle = create_server(EnvServicer(table, config), DESCRIPTOR, config.serve)
+    table.start()
+    handle.on_shutdown.append(table.shutdown)
+    return handle
+
+
+async def run(config: EnvConfig, port_file: str | None = None) -> None:
+    """Serve until SIGTERM, then drain and close the sessions. A plugin that cannot be loaded
+    stops the process (status 1) before anything binds."""
+    try:
+        handle = build(config)
+    except PluginError as e:
+        raise SystemExit(f"env: {e}") from None
+    await start(handle, ready=False)
+    metrics_port = start_metrics_server(config.serve.metrics_port, config.serve.host)
+    logger.info(
+        "env serving on %s:%d, up to %d sessions (metrics port %s)",
+        config.serve.host,
+        handle.port,
+        config.max_sessions,
+        metrics_port,
+    )
+    await announce_and_serve(handle, "env", config.serve.host, config.serve.grace_seconds, port_file)

@@ -101,7 +101,11 @@ class ChatCodec:
         """A completion's text for the tool-call parsers: special tokens kept, its final
         end-of-turn (or eos) token left out."""
         ids = list(ids)
-        if ids and (ids[-1] in self.end_of_turn_ids or ids[-1] == self.tokenizer.eos_token_id):
+        try:
+            ends = self.end_of_turn_ids
+        except (BridgeError, ValueError):  # no chat template: the eos token ends a completion
+            ends = frozenset()
+        if ids and (ids[-1] in ends or ids[-1] == self.tokenizer.eos_token_id):
             ids = ids[:-1]
         return self.decode(ids)
 

@@ -20,13 +20,15 @@ import hashlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from relayrl.common.rpc import Unavailable
 from relayrl.common.weightsync.cudaipc import Shared
 from relayrl.common.weightsync.plan import Bucket, TensorMeta, safetensors_kind
+from relayrl.generator.bridge import ChatCodec
+from relayrl.generator.toolcalls import ParsedCall
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class SamplingSpec:
     seed: int | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    tool_format: str = ""  # "" | "hermes" | "llama3_json": read tool calls out of completions
 
 
 def prompt_seed(seed: int, prompt_id: str) -> int:
@@ -83,6 +86,8 @@ class SampleOut:
     version_spans: list[tuple[int, int, int]]  # (version, start, end) over completion tokens
     text: str
     replica_id: str = ""
+    tool_calls: list[ParsedCall] = field(default_factory=list)  # read with SamplingSpec.tool_format
+    content: str = ""  # with a tool_format: the text outside the calls
 
     @property
     def policy_version(self) -> int:
@@ -138,8 +143,9 @@ class BucketSource:
 class GenerationEngine(Protocol):
     """What the generator servicer needs from an engine (a fake implements it in unit tests)."""
 
-    def encode_messages(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def encode_messages(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]: ...
     def encode_text(self, text: str) -> list[int]: ...
+    def chat_codec(self) -> ChatCodec: ...
     def check_prompt(self, token_ids: Sequence[int], spec: SamplingSpec) -> None: ...
     def check_sampling(self, spec: SamplingSpec) -> None: ...
     def generate(

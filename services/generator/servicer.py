@@ -17,14 +17,21 @@ from relayrl.generator.engine import (
     PromptIn,
     SamplingSpec,
 )
+from relayrl.generator.toolcalls import parse_tool_calls
 from relayrl.generator.v1 import generator_pb2, generator_pb2_grpc
 from relayrl.generator.wire import (
     TRANSPORT_PROTO,
+    check_to_proto,
+    check_tool_format,
     check_version,
+    continuation_from_proto,
+    message_from_proto,
+    messages_chars,
     sample_to_proto,
     sampling_from_proto,
     source_from_proto,
     sync_spec_from_proto,
+    tools_from_json,
 )
 
 
@@ -54,18 +61,26 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             if (n := len(p.token_ids.ids)) >= (limit := self.engine.status().max_model_len):
                 raise InvalidRequest(f"prompt {name}: {n} tokens; the model takes at most {limit - 1}")
             ids = list(p.token_ids.ids)
-        elif kind in ("messages", "text"):
-            msgs = [{"role": m.role, "content": m.content} for m in p.messages.messages]
-            size = (
-                sum(len(m["role"]) + len(m["content"]) for m in msgs) if kind == "messages" else len(p.text)
-            )
-            if size > self._prompt_chars():
+        elif kind == "messages":
+            chat = p.messages
+            if (size := messages_chars(chat.messages, chat.tools_json)) > self._prompt_chars():
                 raise InvalidRequest(
                     f"prompt {name}: {size} characters; at most {self._prompt_chars()} (max_prompt_chars)"
                 )
-            if kind == "messages" and not msgs:
+            if not chat.messages:
                 raise InvalidRequest(f"prompt {name}: messages is empty")
-            ids = self.engine.encode_messages(msgs) if kind == "messages" else self.engine.encode_text(p.text)
+            msgs = [message_from_proto(m, f"prompt {name}: messages[{i}]") for i, m in enumerate(chat.messages)]
+            ids = self.engine.encode_messages(msgs, tools_from_json(chat.tools_json, f"prompt {name}: tools_json"))
+        elif kind == "text":
+            if len(p.text) > self._prompt_chars():
+                raise InvalidRequest(
+                    f"prompt {name}: {len(p.text)} characters; at most {self._prompt_chars()} (max_prompt_chars)"
+                )
+            ids = self.engine.encode_text(p.text)
+        elif kind == "continuation":
+            limit = self.engine.status().max_model_len
+            prefix, append, tools = continuation_from_proto(p.continuation, limit, self._prompt_chars(), f"prompt {name}")
+            ids = self.engine.chat_codec().bridge(prefix, append, tools)
         else:
             raise InvalidRequest(f"prompt {name}: no input (token_ids, messages or text)")
         try:
@@ -103,6 +118,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             async for s in self.engine.generate(request.request_id or uuid.uuid4().hex, prompts, spec):
                 metrics.TOKENS.inc(len(s.token_ids))
                 metrics.SAMPLES.labels(s.finish_reason).inc()
+                if spec.tool_format:
+                    text = self.engine.chat_codec().completion_text(s.token_ids)
+                    s.content, s.tool_calls = parse_tool_calls(text, spec.tool_format, f"call_{s.sample_index}_")
                 yield generator_pb2.GenerateResponse(samples=[sample_to_proto(s)])
         except BaseException as e:
             code = type(e).__name__
@@ -130,6 +148,14 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             gpu_uuids=st.gpu_uuids,
             weight_transport=TRANSPORT_PROTO.get(st.transport, generator_pb2.WEIGHT_TRANSPORT_UNSPECIFIED),
         )
+
+    @map_errors
+    async def CheckChat(self, request, context):
+        fmt = check_tool_format(request.tool_format, "tool_format")
+        tools = tools_from_json(request.tools_json, "tools_json")
+        # Renders a few dialogues: CPU work, off the event loop.
+        report = await asyncio.to_thread(self.engine.chat_codec().check, tools, fmt)
+        return check_to_proto(report)
 
     @map_errors
     async def InitWeightSync(self, request, context):

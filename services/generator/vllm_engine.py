@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from relayrl.common.placement import host_id
-from relayrl.common.rpc import InvalidRequest, Unavailable
+from relayrl.common.rpc import FailedPrecondition, InvalidRequest, Unavailable
+from relayrl.generator.bridge import ChatCodec
 from relayrl.generator.config import GeneratorConfig
 from relayrl.generator.continuation import Partial, SwapGate, straddling_stop
 from relayrl.generator.engine import (
@@ -52,6 +54,7 @@ class VLLMEngine(WeightSwaps):
         self._stats = {"running": 0, "waiting": 0}
         self._llm = None
         self._tokenizer = None
+        self._codec: ChatCodec | None = None
         self.max_model_len = 0
         self.vocab_size = 0
         self._expected, self._optional, self._kinds = checkpoint_tensors(config.engine.model)
@@ -94,6 +97,8 @@ class VLLMEngine(WeightSwaps):
         own_engine_processes()  # the EngineCore and its workers end with this process
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_factory(self._stats)])
         self._tokenizer = self._llm.tokenizer
+        self._codec = ChatCodec(self._tokenizer)
+        _log_chat_check(self._codec)
         mc = self._llm.model_config
         self.max_model_len = mc.max_model_len
         self.vocab_size = mc.get_vocab_size()
@@ -142,10 +147,14 @@ class VLLMEngine(WeightSwaps):
         )
 
     # -- prompts ---------------------------------------------------------------------------
-    def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_messages(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         # Render then encode: the same two steps the SFT warm start and the learner use.
-        text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.encode_text(text)
+        return self.chat_codec().render(messages, tools)
+
+    def chat_codec(self) -> ChatCodec:
+        if self._codec is None:
+            raise FailedPrecondition("the engine has not started: no tokenizer yet")
+        return self._codec
 
     def encode_text(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
@@ -345,6 +354,23 @@ class VLLMEngine(WeightSwaps):
             text=self._tokenizer.decode(p.token_ids, skip_special_tokens=True),
             replica_id=self.replica_id,
         )
+
+
+def _log_chat_check(codec: ChatCodec) -> None:
+    """One line at start-up: can this model's chat template extend dialogues token-exactly?"""
+    try:
+        r = codec.check()
+    except Exception as e:  # a model without a chat template still serves token and text prompts
+        logger.warning("chat template not checked: %r", e)
+        return
+    if r.prefix_preserving:
+        logger.info(
+            "chat template: multi-turn continuations are token-exact (end of turn %s, glue %r)",
+            r.stop_token_ids,
+            codec.decode(r.glue_token_ids),
+        )
+    else:
+        logger.warning("chat template: continuations differ from a full render: %s", r.bridge_detail)
 
 
 def has_cuda() -> bool:

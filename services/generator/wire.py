@@ -4,16 +4,22 @@ bounds; every error names the field. The servicer calls these and nothing else t
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
+from typing import Any
+
 from relayrl.common.rpc import InvalidRequest, bounded
 from relayrl.common.v1 import common_pb2
 from relayrl.common.weightsync import shm
 from relayrl.common.weightsync.cudaipc import shared_from_proto
+from relayrl.generator.bridge import MAX_APPEND, ChatCheck, check_append
 from relayrl.generator.engine import (
     BucketSource,
     SampleOut,
     SamplingSpec,
     SyncSpec,
 )
+from relayrl.generator.toolcalls import FORMATS, MAX_CALLS, MAX_NAME_CHARS, ParsedCall, openai_tool_call
 from relayrl.generator.v1 import generator_pb2
 
 _FINISH = {
@@ -36,6 +42,10 @@ MAX_VERSION = (1 << 53) - 1
 2^53 is where a double, as JSON and many clients carry numbers, stops counting exactly)."""
 MAX_WORLD_SIZE = 1 << 16
 """Most ranks a weight-sync group may have (the learner and every generator worker)."""
+MAX_TOOLS_JSON_CHARS = 64 * 1024
+"""Longest tools_json (the tools offered to the model)."""
+MAX_TOOL_CALL_ID_CHARS = 64
+"""Longest ToolCall.id."""
 
 
 def check_version(version: int) -> int:
@@ -63,6 +73,7 @@ def sampling_from_proto(p: generator_pb2.SamplingParams) -> SamplingSpec:
         )
     if any(not 0 < len(s) <= MAX_STOP_CHARS for s in p.stop):
         raise InvalidRequest(f"sampling.stop strings must have 1 to {MAX_STOP_CHARS} characters")
+    tool_format = check_tool_format(p.tool_format, "sampling.tool_format")
     return SamplingSpec(
         n=p.n,
         temperature=temperature,
@@ -74,6 +85,117 @@ def sampling_from_proto(p: generator_pb2.SamplingParams) -> SamplingSpec:
         seed=p.seed if p.HasField("seed") else None,
         include_stop_str_in_output=p.include_stop_str_in_output,
         ignore_eos=p.ignore_eos,
+        tool_format=tool_format,
+    )
+
+
+def check_tool_format(fmt: str, name: str) -> str:
+    if fmt and fmt not in FORMATS:
+        raise InvalidRequest(f"{name} must be empty, {' or '.join(map(repr, FORMATS))}; got {bounded(fmt, 40)!r}")
+    return fmt
+
+
+def tools_from_json(tools_json: str, name: str) -> list[dict[str, Any]] | None:
+    """The tools of a dialogue: a JSON array of OpenAI-style function schemas, or None when
+    empty. Errors name the field."""
+    if not tools_json:
+        return None
+    if len(tools_json) > MAX_TOOLS_JSON_CHARS:
+        raise InvalidRequest(f"{name}: {len(tools_json)} characters; at most {MAX_TOOLS_JSON_CHARS}")
+    try:
+        tools = json.loads(tools_json)
+    except (ValueError, RecursionError) as e:
+        raise InvalidRequest(f"{name} is not JSON: {bounded(str(e), 200)}") from None
+    if not isinstance(tools, list):
+        raise InvalidRequest(f"{name} must be a JSON array of function schemas")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        tool_name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(tool_name, str) or not 0 < len(tool_name) <= MAX_NAME_CHARS:
+            raise InvalidRequest(
+                f'{name}[{i}] must be {{"type": "function", "function": {{"name": <1 to {MAX_NAME_CHARS} '
+                'characters>, ...}}'
+            )
+    return tools or None
+
+
+def message_from_proto(m: common_pb2.ChatMessage, name: str) -> dict[str, Any]:
+    """A chat message as chat templates read it (OpenAI's form; ``tool_calls``,
+    ``tool_call_id`` and ``name`` only when set: some templates branch on the key's presence)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        if len(m.tool_calls) > MAX_CALLS:
+            raise InvalidRequest(f"{name}.tool_calls: {len(m.tool_calls)} calls; at most {MAX_CALLS}")
+        out["tool_calls"] = [_call_from_proto(c, f"{name}.tool_calls[{i}]") for i, c in enumerate(m.tool_calls)]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name:
+        out["name"] = m.name
+    return out
+
+
+def _call_from_proto(c: common_pb2.ToolCall, name: str) -> dict[str, Any]:
+    if not 0 < len(c.name) <= MAX_NAME_CHARS or len(c.id) > MAX_TOOL_CALL_ID_CHARS:
+        raise InvalidRequest(
+            f"{name}: name takes 1 to {MAX_NAME_CHARS} characters, id at most {MAX_TOOL_CALL_ID_CHARS}"
+        )
+    try:
+        args = json.loads(c.arguments_json or "{}")
+    except (ValueError, RecursionError):
+        args = None
+    if not isinstance(args, dict):
+        raise InvalidRequest(f"{name}.arguments_json must be a JSON object, got {bounded(c.arguments_json, 80)!r}")
+    return openai_tool_call(c.id, c.name, args)
+
+
+def messages_chars(messages: Sequence[common_pb2.ChatMessage], tools_json: str = "") -> int:
+    """Characters of a dialogue (what max_prompt_chars bounds): text, names, ids, arguments."""
+    calls = (c for m in messages for c in m.tool_calls)
+    return (
+        sum(len(m.role) + len(m.content) + len(m.tool_call_id) + len(m.name) for m in messages)
+        + sum(len(c.id) + len(c.name) + len(c.arguments_json) for c in calls)
+        + len(tools_json)
+    )
+
+
+def continuation_from_proto(
+    c: common_pb2.Continuation, max_model_len: int, max_chars: int, name: str
+) -> tuple[list[int], list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """``(prefix ids, messages to append, tools)`` of a Continuation, within bounds: the prefix
+    shorter than the context, at most ``MAX_APPEND`` messages, tool turns then at most one user
+    turn, ``max_chars`` characters in all."""
+    if not c.prefix_token_ids:
+        raise InvalidRequest(f"{name}: continuation.prefix_token_ids is empty")
+    # Checked before the ids are copied or scanned (as a token_ids prompt's length).
+    if (n := len(c.prefix_token_ids)) >= max_model_len:
+        raise InvalidRequest(f"{name}: continuation prefix has {n} tokens; the model takes at most {max_model_len - 1}")
+    if len(c.append) > MAX_APPEND:
+        raise InvalidRequest(f"{name}: continuation.append has {len(c.append)} messages; at most {MAX_APPEND}")
+    if (size := messages_chars(c.append, c.tools_json)) > max_chars:
+        raise InvalidRequest(f"{name}: continuation has {size} characters; at most {max_chars} (max_prompt_chars)")
+    if any(m.tool_calls for m in c.append):
+        raise InvalidRequest(f"{name}: continuation.append holds tool and user turns, which carry no tool_calls")
+    append = [message_from_proto(m, f"{name}: continuation.append[{i}]") for i, m in enumerate(c.append)]
+    try:
+        check_append(append)
+    except InvalidRequest as e:
+        raise InvalidRequest(f"{name}: {e}") from None
+    return list(c.prefix_token_ids), append, tools_from_json(c.tools_json, f"{name}: continuation.tools_json")
+
+
+def tool_call_to_proto(c: ParsedCall) -> common_pb2.ToolCall:
+    return common_pb2.ToolCall(id=c.id, name=c.name, arguments_json=c.arguments_json, parse=int(c.parse))
+
+
+def check_to_proto(r: ChatCheck) -> generator_pb2.CheckChatResponse:
+    return generator_pb2.CheckChatResponse(
+        tools_missing_from_prompt=r.tools_missing_from_prompt,
+        round_trip_ok=r.round_trip_ok,
+        round_trip_detail=bounded(r.round_trip_detail),
+        prefix_preserving=r.prefix_preserving,
+        bridge_detail=bounded(r.bridge_detail),
+        glue_token_ids=r.glue_token_ids,
+        stop_token_ids=r.stop_token_ids,
     )
 
 
@@ -92,6 +214,8 @@ def sample_to_proto(s: SampleOut) -> common_pb2.Sample:
         else [],
         replica_id=s.replica_id,
         text=s.text,
+        tool_calls=[tool_call_to_proto(c) for c in s.tool_calls],
+        content=s.content,
     )
 
 

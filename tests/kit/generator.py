@@ -2,7 +2,7 @@
 
 ``FakeEngine`` is a ``GenerationEngine`` without a model, deterministic (completion = prompt ids
 reversed, logprob -0.5 per token, finish reasons cycling through ``REASONS``), recording what the
-servicer hands it; ``serving`` runs the real ``grpc.aio`` server around it on port 0 and yields
+servicer hands it; its chat codec is the real one on the tiny model's tokenizer; ``serving`` runs the real ``grpc.aio`` server around it on port 0 and yields
 its handle, a channel and the stubs. Real-engine behaviour is covered by tests/integration.
 """
 
@@ -32,12 +32,25 @@ class FakeEngine:
         self.version, self.swapping, self.active, self.cancelled = 0, False, 0, 0
         self.calls, self.buckets, self.loaded, self.shutdowns = [], [], [], 0
         self.syncs, self.sources = [], []
+        self.codec = None
 
-    def encode_messages(self, messages):
-        return self.encode_text("".join(f"{m['role']}:{m['content']}|" for m in messages))
+    def encode_messages(self, messages, tools=None):
+        calls = lambda m: "".join(f"{c['function']['name']}({c['function']['arguments']})" for c in m.get("tool_calls", []))  # noqa: E731
+        head = f"tools:{[t['function']['name'] for t in tools]}|" if tools else ""
+        return self.encode_text(head + "".join(f"{m['role']}:{m['content']}{calls(m)}|" for m in messages))
 
     def encode_text(self, text):
         return [ord(ch) for ch in text]
+
+    def chat_codec(self):
+        """The real codec on the tiny model's tokenizer and template (``tests/kit/chat.py``)."""
+        from relayrl.generator.bridge import ChatCodec
+
+        from tests.kit.chat import chat_tokenizer
+
+        if self.codec is None:
+            self.codec = ChatCodec(chat_tokenizer("tiny"))
+        return self.codec
 
     def check_prompt(self, token_ids, spec):
         if not token_ids:

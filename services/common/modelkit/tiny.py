@@ -22,6 +22,13 @@ _GENERIC = (
     "Question: what is the sum of 12 and 30? Answer: 42.",
 )
 
+_TOOL_TEXT = [
+    '<tool_call>\n{"name": "calc", "arguments": {"expr": "123 * 456"}}\n</tool_call>',
+    "<|im_start|>user\n<tool_response>\n56088\n</tool_response><|im_end|>",
+    '{"type": "function", "function": {"name": "calc", "description": "", "parameters": {}}}',
+    "<tools></tools>",
+]
+
 
 @dataclass(frozen=True)
 class TinySpec:
@@ -48,9 +55,14 @@ class TinySpec:
             raise ValueError("vocab_size must be >= 300 (256 bytes + special tokens + merges)")
 
 
-def tokenizer_corpus(seed: int) -> list[str]:
-    """Texts the tokenizer is trained on: every built-in task's prompts and completions."""
+def tokenizer_corpus(seed: int, tools: bool = False) -> list[str]:
+    """Texts the tokenizer is trained on: every built-in task's prompts and completions; with
+    ``tools``, also the chat template's tool text (``<tool_call>`` blocks, ``<tool_response>``,
+    the ``<tools>`` instructions) as ordinary text, so tool turns take few tokens and skip-special
+    decoding keeps them. Off by default: it changes the vocabulary, and existing tiny models (and
+    what was measured on them) must stay as they are."""
     from relayrl.common.data.tasks import SINGLE_TURN_TASKS, generate, reference_completion
+    from relayrl.common.modelkit.tokenizer import TOOLS_INTRO, TOOLS_OUTRO
 
     corpus = list(_GENERIC) + ["system", "user", "assistant"]
     for task in sorted(SINGLE_TURN_TASKS):  # a fixed list: a new task must not change old models
@@ -58,11 +70,14 @@ def tokenizer_corpus(seed: int) -> list[str]:
         for row in generate(task, 200, seed=seed, split="train", **params):
             corpus.append(row["prompt"][-1]["content"])
             corpus.append(reference_completion(row))
+    if tools:
+        corpus += [TOOLS_INTRO + TOOLS_OUTRO] + _TOOL_TEXT * 50
     return corpus
 
 
-def write_tiny_model(out: str | Path, seed: int = 0, spec: TinySpec | None = None) -> Path:
+def write_tiny_model(out: str | Path, seed: int = 0, spec: TinySpec | None = None, tools: bool = False) -> Path:
     """Write a random-init tiny Qwen2 model and its tokenizer to ``out``; returns the folder.
+    ``tools``: a tokenizer trained on the tool text too (``tokenizer_corpus``).
 
     Same seed and spec -> byte-identical safetensors and tokenizer files.
     """
@@ -73,7 +88,7 @@ def write_tiny_model(out: str | Path, seed: int = 0, spec: TinySpec | None = Non
     spec = spec or TinySpec()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_bpe(tokenizer_corpus(seed), vocab_size=spec.vocab_size)
+    tok = train_bpe(tokenizer_corpus(seed, tools=tools), vocab_size=spec.vocab_size)
     save_tokenizer(tok, out, model_max_length=spec.max_position_embeddings)
     # Pad the embedding to a multiple of 64 (as real models do); ids beyond the tokenizer's
     # vocabulary are never produced by it but are valid rows for the model.
@@ -99,6 +114,8 @@ def write_tiny_model(out: str | Path, seed: int = 0, spec: TinySpec | None = Non
     model.generation_config = GenerationConfig(eos_token_id=[eos, pad], pad_token_id=pad)
     model.save_pretrained(out, safe_serialization=True)
     _write_card(out, seed, spec, sum(p.numel() for p in model.parameters()))
+    if tools:
+        update_card(out, tool_tokens=True)
     return out
 
 

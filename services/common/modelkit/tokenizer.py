@@ -29,9 +29,45 @@ IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
 
 # ChatML, as Qwen2 instruct models use; ``add_generation_prompt`` opens the assistant turn.
+# Tools as Qwen2.5 renders them (its instructions shortened): only when ``tools`` are given, a
+# system turn lists them in a <tools> block (the dialogue's own system message first); an
+# assistant's calls are <tool_call> blocks of {"name", "arguments"} JSON; tool answers are
+# <tool_response> blocks inside one user turn per run of consecutive tool messages. Without tools
+# a dialogue renders byte for byte as the tool-free template did (tests/unit/test_bridge.py).
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+TOOLS_OPEN, TOOLS_CLOSE = "<tools>", "</tools>"
+TOOLS_INTRO = "# Tools\n\nYou may call one or more functions. Their signatures are within <tools></tools>:\n<tools>"
+TOOLS_OUTRO = (
+    "\n</tools>\n\nFor each call, write a JSON object with the function name and arguments within "
+    '<tool_call></tool_call>:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
 CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ " + json.dumps(TOOLS_INTRO) + " }}"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ " + json.dumps(TOOLS_OUTRO) + " + '<|im_end|>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message.tool_calls %}"
+    "{{ '<|im_start|>assistant' }}"
+    "{% if message['content'] %}{{ '\\n' + message['content'] }}{% endif %}"
+    "{% for tool_call in message.tool_calls %}"
+    "{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{{ tool_call.arguments | tojson }}{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

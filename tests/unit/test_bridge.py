@@ -1,0 +1,243 @@
+"""The chat codec (``relayrl.generator.bridge``): token-exact turns on real tool templates.
+
+For Qwen2.5's and Llama-3.1's tool templates (and the tiny model's), on 1,000 random dialogues
+each: a dialogue played turn by turn (first prompt rendered, each assistant turn the template's
+own rendering of it, ending on its end-of-turn token, then ``bridge`` for the tool and user turns
+that follow) gives exactly the ids of a full render at every generation prompt, and every
+rendered tool call parses back to its name and arguments. Qwen3's template, which strips
+``<think>`` from earlier turns, still bridges but is reported not prefix-preserving. The tiny
+model's template renders tool-free dialogues byte for byte as before tools existed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from relayrl.common.rpc import InvalidRequest
+from relayrl.generator.bridge import BridgeError, ChatCodec, check_append
+from relayrl.generator.toolcalls import Parse, openai_tool_call, parse_tool_calls
+
+from tests.kit.chat import chat_tokenizer
+
+# The tiny model's template before tools (commit 6d3ec8f): tool-free chats must not change.
+OLD_TINY_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+FORMAT = {"tiny": "hermes", "qwen2_5": "hermes", "llama3_1": "llama3_json", "qwen3": "hermes"}
+TOOL_POOL = [
+    {"type": "function", "function": {"name": "calc", "description": "Evaluate an arithmetic expression.",
+     "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]}}},
+    {"type": "function", "function": {"name": "search_web", "description": "Search the web: föö ✓.",
+     "parameters": {"type": "object", "properties": {"query": {"type": "string"}, "k": {"type": "integer"}}}}},
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather \"now\".",
+     "parameters": {"type": "object", "properties": {}}}},
+]  # fmt: skip
+PIECES = ["hello", " world", "\n", "\n\n", "  ", "12 * 34", "数字", "héllo", "✓", "\t", '"q"', "\\", "{", "}",
+          "<b>", "=> 9", "é", "🙂", "tool", "answer:", " 408", "<think>", "</think>"]  # fmt: skip
+
+
+def text(rng: random.Random, lo: int = 0, hi: int = 8, safe_start: bool = False) -> str:
+    s = "".join(rng.choice(PIECES) for _ in range(rng.randint(lo, hi)))
+    return ("x" + s) if safe_start and s.lstrip().startswith(("{", "<")) else s
+
+
+def value(rng: random.Random, depth: int = 0):
+    kind = rng.randrange(6 if depth < 2 else 4)
+    return [
+        lambda: text(rng, 0, 5),
+        lambda: rng.randint(-10**6, 10**6),
+        lambda: rng.choice([0.5, -2.25, 1e-3, 3.14159]),
+        lambda: rng.choice([True, False, None]),
+        lambda: [value(rng, depth + 1) for _ in range(rng.randint(0, 3))],
+        lambda: {f"k{i}": value(rng, depth + 1) for i in range(rng.randint(0, 3))},
+    ][kind]()
+
+
+def dialogue(rng: random.Random, family: str) -> tuple[list[dict], list[dict] | None]:
+    """A random episode: optional system, a user turn, then rounds of assistant turns with 0-3
+    tool calls (one at most for Llama-3.1), their answers, optional user turns."""
+    tools = rng.sample(TOOL_POOL, rng.randint(1, 3)) if rng.random() < 0.85 else None
+    names = [t["function"]["name"] for t in tools or TOOL_POOL]
+    msgs: list[dict] = []
+    if rng.random() < 0.6 or family == "qwen3":
+        msgs.append({"role": "system", "content": text(rng, 1)})
+    msgs.append({"role": "user", "content": text(rng, 1)})
+    k = 0
+    for _ in range(rng.randint(1, 5)):
+        n_calls = rng.choice([0, 1, 1, 2, 3]) if family != "llama3_1" else rng.choice([0, 1, 1])
+        content = text(rng, 0, 6, safe_start=True).replace("<think>", "").replace("</think>", "")
+        if family == "qwen3" and rng.random() < 0.5:
+            content = f"<think>\n{text(rng, 1, 4)}\n</think>\n\n{content}"
+        m = {"role": "assistant", "content": content}
+        if n_calls:
+            m["tool_calls"] = [
+                openai_tool_call(f"call_{k + i}", rng.choice(names), {f"a{j}": value(rng) for j in range(rng.randint(0, 3))})
+                for i in range(n_calls)
+            ]
+        msgs.append(m)
+        for i in range(n_calls):
+            msgs.append({"role": "tool", "content": text(rng, 0), "tool_call_id": f"call_{k + i}", "name": names[0]})
+        k += n_calls
+        if not n_calls or rng.random() < 0.3:
+            if rng.random() < 0.7:
+                msgs.append({"role": "user", "content": text(rng, 1)})
+            elif not n_calls:
+                break
+    return msgs, tools
+
+
+def play(codec: ChatCodec, msgs: list[dict], tools, fmt: str) -> list[str]:
+    """Problems found playing ``msgs`` turn by turn through the bridge (empty: none)."""
+    eot = next(iter(codec.end_of_turn_ids))
+    problems = []
+    turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    ids = codec.render(msgs[: turns[0]], tools)
+    for k, a in enumerate(turns):
+        want = codec.render(msgs[:a], tools)
+        if ids != want:
+            problems.append(f"turn {k}: bridge != full render")
+            return problems
+        done = codec.render(msgs[: a + 1], tools, add_generation_prompt=False)
+        assert done[: len(want)] == want
+        completion = done[len(want) :]
+        completion = completion[: completion.index(eot) + 1]
+        ids = ids + completion
+        _, calls = parse_tool_calls(codec.completion_text(completion), fmt)
+        expected = [(c["function"]["name"], c["function"]["arguments"]) for c in msgs[a].get("tool_calls", [])]
+        got = [(c.name, json.loads(c.arguments_json)) for c in calls if c.parse == Parse.OK]
+        if got != expected:
+            problems.append(f"turn {k}: calls {expected} read back as {calls}")
+        end = turns[k + 1] if k + 1 < len(turns) else len(msgs)
+        if end > a + 1:
+            ids = codec.bridge(ids, msgs[a + 1 : end], tools)
+    if msgs[-1]["role"] != "assistant" and ids != codec.render(msgs, tools):
+        problems.append("last prompt: bridge != full render")
+    return problems
+
+
+@pytest.fixture(scope="module", params=["qwen2_5", "llama3_1", "tiny"])
+def family(request):
+    return request.param, ChatCodec(chat_tokenizer(request.param))
+
+
+def test_bridge_equals_full_render_on_random_dialogues(family):
+    name, codec = family
+    rng = random.Random(f"bridge-{name}")
+    bad, tool_turns, user_appends = [], 0, 0
+    for n in range(1000):
+        msgs, tools = dialogue(rng, name)
+        tool_turns += sum(m["role"] == "tool" for m in msgs)
+        user_appends += sum(m["role"] == "user" for m in msgs[2:])
+        if problems := play(codec, msgs, tools, FORMAT[name]):
+            bad.append((n, problems[0]))
+    assert not bad, f"{len(bad)} of 1000 dialogues differ; first: {bad[:3]}"
+    assert tool_turns > 1000 and user_appends > 300  # the dialogues exercise both kinds of append
+
+
+@pytest.mark.parametrize("name", ["qwen2_5", "llama3_1", "tiny"])
+def test_check_on_prefix_preserving_templates(name):
+    codec = ChatCodec(chat_tokenizer(name))
+    report = codec.check(TOOL_POOL, FORMAT[name])
+    assert report.prefix_preserving and not report.bridge_detail
+    assert report.round_trip_ok, report.round_trip_detail
+    assert report.tools_missing_from_prompt == []
+    tok = codec.tokenizer
+    assert report.stop_token_ids == [tok.convert_tokens_to_ids(tok.eos_token)]
+    assert codec.decode(report.glue_token_ids) == ("" if name == "llama3_1" else "\n")
+
+
+def test_qwen3_template_that_strips_reasoning_is_not_prefix_preserving_but_bridges():
+    codec = ChatCodec(chat_tokenizer("qwen3"))
+    report = codec.check(TOOL_POOL, "hermes")
+    assert not report.prefix_preserving and "differ from a full render" in report.bridge_detail
+    assert report.round_trip_ok, report.round_trip_detail
+    # Turns still extend the exact ids (the ids the model saw are never re-rendered).
+    prefix = codec.render([{"role": "user", "content": "Hi"}]) + codec.encode("<think>\nhm\n</think>\n\nHello.<|im_end|>")
+    out = codec.bridge(prefix, [{"role": "user", "content": "Again."}])
+    assert out[: len(prefix)] == prefix
+    assert codec.decode(out[len(prefix) :]) == "\n<|im_start|>user\nAgain.<|im_end|>\n<|im_start|>assistant\n"
+    rng = random.Random("qwen3")
+    differ = sum(bool(play(codec, *dialogue(rng, "qwen3"), "hermes")) for _ in range(50))
+    assert differ > 0  # the random replay sees it too
+
+
+def test_tools_dropped_by_the_template_are_reported():
+    codec = ChatCodec(chat_tokenizer("tiny"))
+    codec.tokenizer = _with_template(codec.tokenizer, OLD_TINY_TEMPLATE)
+    report = codec.check(TOOL_POOL[:2], "hermes")
+    assert report.tools_missing_from_prompt == ["calc", "search_web"]
+    assert not report.round_trip_ok and "read back as []" in report.round_trip_detail
+
+
+def _with_template(tok, template: str):
+    import copy
+
+    other = copy.deepcopy(tok)
+    other.chat_template = template
+    return other
+
+
+def test_tiny_template_renders_tool_free_dialogues_byte_for_byte_as_before():
+    new = chat_tokenizer("tiny")
+    old = _with_template(new, OLD_TINY_TEMPLATE)
+    rng = random.Random("tool-free")
+    for _ in range(300):
+        msgs = [{"role": rng.choice(["system", "user", "assistant"]), "content": text(rng)} for _ in range(rng.randint(1, 7))]
+        for gen in (True, False):
+            kw = {"add_generation_prompt": gen, "tokenize": False}
+            assert new.apply_chat_template(msgs, **kw) == old.apply_chat_template(msgs, **kw)
+            assert new.apply_chat_template(msgs, tools=None, **kw) == old.apply_chat_template(msgs, **kw)
+            assert new.apply_chat_template(msgs, tools=[], **kw) == old.apply_chat_template(msgs, **kw)
+
+
+def test_tiny_template_tool_branches():
+    tok = chat_tokenizer("tiny")
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "12 * 34?"},
+        {"role": "assistant", "content": "", "tool_calls": [openai_tool_call("c0", "calc", {"expr": "12 * 34"})]},
+        {"role": "tool", "content": "408", "tool_call_id": "c0", "name": "calc"},
+        {"role": "tool", "content": "ok", "tool_call_id": "c1", "name": "calc"},
+    ]
+    out = tok.apply_chat_template(msgs, tools=TOOL_POOL[:1], add_generation_prompt=True, tokenize=False)
+    assert out.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n") and out.count("<|im_start|>system") == 1
+    assert '<tools>\n{"type": "function", "function": {"name": "calc"' in out
+    assert out.endswith(
+        '<|im_start|>user\n12 * 34?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{"name": "calc", "arguments": '
+        '{"expr": "12 * 34"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n408\n</tool_response>\n'
+        "<tool_response>\nok\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    ids = tok.encode(out, add_special_tokens=False)
+    assert "<tool_call>" in tok.decode(ids, skip_special_tokens=True)  # ordinary text, kept
+
+
+def test_bad_continuations_are_refused():
+    codec = ChatCodec(chat_tokenizer("qwen2_5"))
+    ok = codec.render([{"role": "user", "content": "Hi"}]) + [2]
+    with pytest.raises(InvalidRequest, match="end-of-turn"):
+        codec.bridge(ok[:-1], [{"role": "user", "content": "x"}])
+    with pytest.raises(InvalidRequest, match="empty"):
+        codec.bridge([], [{"role": "user", "content": "x"}])
+    for roles in ([], ["user", "tool"], ["user", "user"], ["assistant"], ["system"], ["tool"] * 65):
+        with pytest.raises(InvalidRequest):
+            check_append([{"role": r, "content": "x"} for r in roles])
+    check_append([{"role": "tool", "content": "x"}] * 3 + [{"role": "user", "content": "y"}])
+
+
+def test_a_template_that_rewrites_the_base_without_a_boundary_is_a_bridge_error():
+    # A template whose tool answers join the previous assistant turn's text: no token boundary
+    # after the end-of-turn token that the ids could be extended from.
+    template = (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ m['content'] }}"
+        "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant\\n' }}{% endif %}"
+    )
+    codec = ChatCodec(_with_template(chat_tokenizer("tiny"), template))
+    with pytest.raises(BridgeError):
+        codec.delta([{"role": "tool", "content": "x"}])
+    assert not codec.check().prefix_preserving

@@ -49,7 +49,8 @@ from relayrl.env.tools import cut
 
 logger = logging.getLogger(__name__)
 
-MAX_FAILURE_REASON_CHARS = 1024
+MAX_FAILURE_REASON_CHARS = 1000
+"""Failure reasons are cut to this, plus a note of what was left out: under the contract's 1,024."""
 MAX_COMPONENTS = 64
 
 
@@ -322,7 +323,9 @@ class SessionTable:
 
     async def _run_step(self, s: Session, index: int, action: Action, limit: float) -> StepOut:
         name, t0 = s.spec.name, time.monotonic()
-        s.env.deadline = t0 + limit
+        # Tools answer TIMEOUT a little before the step's own limit, so that a slow tool is an
+        # observation (the episode trains) rather than an env that overran (REDO).
+        s.env.deadline = t0 + limit * 0.9
         try:
             out = check_step(await self._run(lambda: s.env.step(action), limit), action)
         except _Overran:

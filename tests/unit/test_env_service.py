@@ -348,9 +348,11 @@ async def test_env_code_that_raises_or_hangs_is_redo(svc):
 
 
 async def test_a_retried_reset_is_the_same_session_and_close_is_idempotent(svc):
-    first = await reset(svc, episode_id="same", attempt=0)
+    opened = counted("relayrl_env_resets_total", {"env": "calc"})
+    first, *others = await asyncio.gather(*(reset(svc, episode_id="same", attempt=0) for _ in range(3)))
     again = await reset(svc, episode_id="same", attempt=0)
-    assert again == first
+    assert again == first and all(o == first for o in others)
+    assert counted("relayrl_env_resets_total", {"env": "calc"}) == opened + 1
     other = await reset(svc, episode_id="same", attempt=1)
     assert other.session_id != first.session_id
     assert (await svc.stub.ListEnvs(e.ListEnvsRequest())).open_sessions == 2

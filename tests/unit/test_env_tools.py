@@ -194,3 +194,16 @@ def test_serve_env_flags_build_the_config():
     config = serve_cli.build_config(args)
     assert isinstance(config, EnvConfig)
     assert (config.plugins, config.max_sessions, config.lease_seconds) == (["a.b:C", "d:E"], 7, 2.5)
+
+
+def test_reward_answers_are_checked_and_bounded():
+    from relayrl.env.base import Outcome, Reward
+    from relayrl.env.sessions import check_reward
+
+    r = check_reward(Reward(0.0, {}, "redo", "", "z" * 5000))
+    assert r.outcome == Outcome.REDO and r.failure_kind == "env_redo" and len(r.failure_reason) <= 1024
+    assert check_reward(1) == Reward(1.0) and check_reward(Reward(0.5, {"a": 1})).components == {"a": 1.0}
+    bad = [float("nan"), "x", Reward(True), Reward(1.0, {"a": float("inf")}), Reward(1.0, {}, "maybe")]
+    for answer in bad:
+        with pytest.raises((TypeError, ValueError)):
+            check_reward(answer)

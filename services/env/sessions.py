@@ -49,7 +49,7 @@ from relayrl.env.tools import cut
 
 logger = logging.getLogger(__name__)
 
-MAX_FAILURE_REASON_CHARS = 1000
+MAX_FAILURE_REASON_CHARS = 960
 """Failure reasons are cut to this, plus a note of what was left out: under the contract's 1,024."""
 MAX_COMPONENTS = 64
 

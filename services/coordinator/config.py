@@ -1,7 +1,7 @@
 """The experiment config: what ``relayrl run EXPERIMENT.yaml`` reads.
 
 One YAML file describes a whole run. Each service gets its own section (``generator``,
-``learner``, ``reward``), which the coordinator hands to that service unchanged, so a deployed
+``learner``, ``reward``, ``env``), which the coordinator hands to that service unchanged, so a deployed
 service and an embedded one read the same schema. The rest (model, data, sampling, algorithm,
 schedule, service addresses) is the coordinator's.
 """
@@ -14,11 +14,12 @@ from pydantic import Field, model_validator
 from relayrl.common.config import StrictModel
 from relayrl.common.serving import ClientSecurity, ServeConfig
 from relayrl.coordinator.ray.config import RaySection
+from relayrl.env.config import EnvConfig
 from relayrl.generator.config import GeneratorConfig
 from relayrl.learner.config import LearnerConfig
 from relayrl.reward.config import RewardConfig
 
-Task = Literal["countdown", "arithmetic", "reverse"]  # the built-in tasks of the data kit
+Task = Literal["countdown", "arithmetic", "reverse", "calc", "guess"]  # the built-in tasks of the data kit
 
 
 class TinyModelSpec(StrictModel):
@@ -388,6 +389,8 @@ class ExperimentConfig(StrictModel):
     is set here). None then: one rank of the learner section's model and dtype."""
     reward: RewardConfig = Field(default_factory=RewardConfig)
     """Reward section."""
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    """Env service section: the replicas a run with an ``episodes`` section starts."""
     ray: RaySection = Field(default_factory=RaySection)
     """Placement on a Ray cluster, for ``relayrl launch ray``."""
     tracking: TrackingSection = Field(default_factory=TrackingSection)

@@ -1,9 +1,10 @@
 """The environment service as the coordinator calls it: a rotation of env replicas, an episode's
 session pinned to the replica that opened it, a deadline on every call.
 
-Which failures mean what: a replica that cannot be reached, or answers an internal error, is
-taken out of rotation and the episode whose session it held is lost (``EpisodeLost``): the
-episode runner runs it again on another replica, never scores it. A session the replica no longer
+Which failures mean what: a replica that cannot be reached is taken out of rotation and the
+episode whose session it held is lost (``EpisodeLost``): the episode runner runs it again on
+another replica, never scores it. An internal error (the env's own code raised on this episode)
+loses the episode the same way but leaves the replica in rotation. A session the replica no longer
 knows (NOT_FOUND: it restarted, or the lease expired) is lost the same way. A replica that is
 full (RESOURCE_EXHAUSTED) is asked again after a short wait, up to the call's deadline. Any
 other error (INVALID_ARGUMENT for an unknown env or a bad task, FAILED_PRECONDITION for a step
@@ -96,7 +97,10 @@ class EnvPool(Rotation):
                     await asyncio.sleep(FULL_RETRY_S)
                     continue
                 if code in DOWN_CODES:
-                    self.mark_down(rep, f"{code.name}: {(e.details() or '')[:300]}")
+                    # INTERNAL is the env's own code failing on this episode (a plugin raised):
+                    # the episode is redone, the replica keeps serving the others.
+                    if code not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+                        self.mark_down(rep, f"{code.name}: {(e.details() or '')[:300]}")
                     raise EpisodeLost(
                         f"env {rep.name}: {rpc} {code.name}: {(e.details() or '')[:300]}"
                     ) from None

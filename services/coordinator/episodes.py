@@ -165,7 +165,10 @@ class MultiTurn:
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [
-                    [tg.create_task(self.episode(pid, i, row, evaluation, tag, min_version)) for i in range(n)]
+                    [
+                        tg.create_task(self.episode(pid, i, row, evaluation, tag, min_version))
+                        for i in range(n)
+                    ]
                     for pid, row in batch
                 ]
         except BaseExceptionGroup as failed:  # the run fails on the first, as with one task

@@ -343,6 +343,7 @@ class Experiment:
             nxt = self._generate(self.pos)
         values = {
             **reward,
+            **ro.stats,
             **tb.stats,
             **trained,
             "policy_version": self.version,
@@ -391,6 +392,11 @@ class Experiment:
                 "learner_peak_memory_mb": m.extra.get("peak_memory_mb", float("nan")),
                 "learner_resident_mb": m.extra.get("resident_memory_mb", float("nan")),
             }
+            # |learner - generator| log-prob of the trained tokens, and of those just after an
+            # environment span (multi-turn): where a bridge or template drift shows first.
+            out.update(
+                {k: m.extra[k] for k in ("logprob_abs_diff", "logprob_abs_diff_after_env") if k in m.extra}
+            )
         for (role, _), got in zip(roles, answers, strict=True):
             self.role_steps[role] = got.step
             out.update(train_metrics(role, got.metrics))

@@ -14,9 +14,9 @@
 #   client.crt, client.key  the callers' certificate (coordinator, learner, health probes, operators)
 #   token                the bearer token (64 hex characters) every call but health checks carries
 #
-# Server names: the compose service names (reward, generator, learner, coordinator), the Kubernetes
-# ones (the Services reward, learner, coordinator and each generator replica's stable name
-# generator-<i>.generator-headless, i < --generators), and loopback (localhost, 127.0.0.1, ::1:
+# Server names: the compose service names (reward, env, generator, learner, coordinator), the
+# Kubernetes Services (reward, env, learner, coordinator) and each generator replica's stable name
+# generator-<i>.generator-headless, i < --generators, and loopback (localhost, 127.0.0.1, ::1:
 # health probes and ports published on the host). gRPC treats a wildcard with one label after the
 # `*` (*.generator-headless) as invalid ("Invalid toplevel subdomain"), hence the generator names
 # one by one. Other names (a namespace-qualified name, an ingress host, an IP) go after OUT_DIR.
@@ -68,7 +68,7 @@ umask 077
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-sans="DNS:reward,DNS:generator,DNS:learner,DNS:coordinator,DNS:localhost,IP:127.0.0.1,IP:::1"
+sans="DNS:reward,DNS:env,DNS:generator,DNS:learner,DNS:coordinator,DNS:localhost,IP:127.0.0.1,IP:::1"
 i=0
 while [ "$i" -lt "$generators" ]; do
     sans="$sans,DNS:generator-$i.generator-headless"

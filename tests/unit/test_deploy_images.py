@@ -39,8 +39,11 @@ from tests.kit.deploy import (  # the token-env fixture applies to every test he
     assert_serves_tls_from,
     check_cli,
     container_config,
+    env_server,
     healthcheck_target,
+    list_envs,
     make_secrets_dir,
+    multi_turn,
     on_host,
     relayrl_invocations,
     reward_server,
@@ -137,6 +140,7 @@ def dockerfile_stages() -> dict[str, dict]:
 
 TARGETS = {  # image target -> (extra it installs, service it serves)
     "reward": ("reward", "reward"),
+    "env": ("env", "env"),
     "coordinator": ("coordinator", "coordinator"),
     "learner": ("learner", "learner"),
     "generator": ("generator", "generator"),
@@ -172,7 +176,7 @@ def test_each_image_comes_right_after_its_install_stage_and_cuda_last():
     assert order[-2:] == ["install-generator", "generator"]
 
 
-def test_reward_extra_pulls_no_heavy_package():
+def test_light_extras_pull_no_heavy_package():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
 
@@ -188,8 +192,9 @@ def test_reward_extra_pulls_no_heavy_package():
         return out
 
     base = {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].lower() for r in project["dependencies"]}
-    assert not (base | deps("reward")) & HEAVY
-    assert not (base | deps("coordinator")) & HEAVY
+    assert "env" in extras, "pyproject.toml has no env extra, which the env image installs (.[env])"
+    for light in ("reward", "env", "coordinator"):  # CPU-only images
+        assert not (base | deps(light)) & HEAVY, light
     assert "kubernetes-validate" in deps("dev")
 
 
@@ -255,6 +260,7 @@ def active_services(compose: dict, profiles: list[str]) -> set[str]:
 
 
 RELAYRL_SERVICES = ("reward", "generator", "learner", "coordinator")
+ENV = "env"  # the env service (multi-turn episodes), started with the `env` profile beside any stack
 
 
 def compose_relayrl(compose: dict, name: str, secrets: Path):
@@ -276,6 +282,8 @@ def test_compose_services_and_profiles():
     assert gpu == {"init", "reward", "generator-gpu", "learner-gpu", "coordinator", "prometheus", "grafana"}
     assert one == {"init", "reward", "generator-1gpu", "learner-1gpu", "coordinator", "prometheus", "grafana"}
     assert active_services(compose, ["cpu", "ppo"]) == cpu | {"critic", "reference"}  # PPO's roles, opt-in
+    for stack, services in (("cpu", cpu), ("gpu", gpu), ("gpu1", one)):  # multi-turn episodes, opt-in
+        assert active_services(compose, [stack, "env"]) == services | {ENV}
     for name in ("generator", "learner"):  # the same name on every profile for experiment and Prometheus
         for suffix in ("-gpu", "-1gpu"):
             assert compose["services"][f"{name}{suffix}"]["networks"]["default"]["aliases"] == [name]
@@ -283,7 +291,7 @@ def test_compose_services_and_profiles():
 
 COMPOSE_RELAYRL = [
     "reward", "generator", "learner", "coordinator", "generator-gpu", "learner-gpu", "generator-1gpu", "learner-1gpu",
-    "critic", "reference",
+    "critic", "reference", "env",
 ]  # fmt: skip
 LEARNER_ROLES = ("critic", "reference")  # learners of another role, served by `relayrl serve learner`
 
@@ -367,7 +375,8 @@ async def test_compose_wiring_end_to_end(secrets_dir):
         return ClientSecurity(**{k: v and on_host([v], COMPOSE_SECRETS, secrets_dir)[0] for k, v in sec})
 
     callers = [
-        (here(exp.security), a.rsplit(":", 1)[0]) for a in [*exp.generators, *exp.rewards, exp.learner]
+        (here(exp.security), a.rsplit(":", 1)[0])
+        for a in [*exp.generators, *exp.rewards, exp.learner, *multi_turn_compose(secrets_dir).services.envs]
     ]
     callers.append((here(learner), exp.generators[0].rsplit(":", 1)[0]))  # weight-sync control
     async with reward_server(served.serve) as port:
@@ -383,7 +392,7 @@ async def test_compose_wiring_end_to_end(secrets_dir):
 def test_compose_secrets_are_the_files_make_secrets_writes():
     compose = load_compose()
     assert compose["secrets"] == {name: {"file": f"./secrets/{name}"} for name in SECRET_FILES}
-    for name in RELAYRL_SERVICES:
+    for name in (*RELAYRL_SERVICES, ENV):
         assert compose["services"][name]["secrets"] == list(SECRET_FILES)
     ignore = (COMPOSE_DIR / "secrets" / ".gitignore").read_text().split("\n")
     assert "*" in ignore and "!.gitignore" in ignore, "secret files must never be committed"
@@ -459,6 +468,49 @@ def test_compose_volumes_and_experiment(secrets_dir):
     assert "mv /models/.policy.tmp /models/policy" in init["command"][2]
 
 
+def multi_turn_compose(secrets_dir: Path):
+    """The compose experiment made multi-turn against the env service compose runs."""
+    port = compose_relayrl(load_compose(), ENV, secrets_dir)[3].serve.port
+    return multi_turn((COMPOSE_DIR / "experiment.yaml").read_text(), [f"{ENV}:{port}"], secrets_dir.parent)
+
+
+def test_compose_env_service_serves_multi_turn_experiments(secrets_dir):
+    """The env service (profile `env`) is what a multi-turn experiment's services.envs names: its
+    compose name and gRPC port; the coordinator reaches it with the same client settings; it
+    needs nothing but its secrets (no model, no volume, no GPU)."""
+    compose = load_compose()
+    svc, _argv, _args, config = compose_relayrl(compose, ENV, secrets_dir)
+    assert svc["profiles"] == [ENV] and svc["build"]["target"] == ENV
+    assert not {"volumes", "depends_on", "deploy"} & svc.keys()
+    exp = multi_turn_compose(secrets_dir)
+    assert exp.services.envs == [f"{ENV}:{config.serve.port}"] and exp.episodes is not None
+    assert_calls_with(exp.services.security, COMPOSE_SECRETS)
+    others = [s for n, s in compose["services"].items() if n != ENV and "ports" in s]
+    published = {p for s in others for p in s["ports"]}
+    assert not set(svc["ports"]) & published, "the env service's port is taken"
+    with pytest.raises(ConfigError, match="services.envs"):  # a deployed multi-turn run must name it
+        multi_turn((COMPOSE_DIR / "experiment.yaml").read_text(), [], secrets_dir.parent)
+
+
+async def test_compose_env_service_end_to_end(secrets_dir):
+    """The real env replica as compose starts it (its access settings, on the secrets
+    make-secrets.sh made) answers its compose health check, and a multi-turn experiment's client
+    settings reach it under the name its services.envs dials."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed: no real certificates to serve with")
+    svc, argv, _args, _config = compose_relayrl(load_compose(), ENV, secrets_dir)
+    _args, served = check_cli(on_host(argv, COMPOSE_SECRETS, secrets_dir))
+    exp = multi_turn_compose(secrets_dir).services
+    sec = ClientSecurity(**{k: v and on_host([v], COMPOSE_SECRETS, secrets_dir)[0] for k, v in exp.security})
+    async with env_server(served) as port:
+        probe = on_host(svc["healthcheck"]["test"][1:], COMPOSE_SECRETS, secrets_dir)
+        assert await run_probe(probe, port) == 0
+        (host,) = [a.rsplit(":", 1)[0] for a in exp.envs]
+        name = [("grpc.ssl_target_name_override", host)]
+        async with security.client_channel(f"127.0.0.1:{port}", sec, options=name) as ch:
+            assert {"calc", "guess"} <= set(await list_envs(ch))
+
+
 def prometheus_targets(path: Path) -> dict[str, list[str]]:
     conf = yaml.safe_load(path.read_text())
     return {
@@ -470,7 +522,7 @@ def prometheus_targets(path: Path) -> dict[str, list[str]]:
 def test_compose_prometheus_scrapes_every_metrics_port(secrets_dir):
     compose = load_compose()
     targets = prometheus_targets(COMPOSE_DIR / "prometheus.yml")
-    for name in (*RELAYRL_SERVICES, *LEARNER_ROLES):
+    for name in (*RELAYRL_SERVICES, *LEARNER_ROLES, ENV):
         assert f"{name}:{compose_relayrl(compose, name, secrets_dir)[3].serve.metrics_port}" in targets[name]
     for name in ("generator", "learner"):  # the GPU variants answer on the same names and ports
         assert (
@@ -489,7 +541,7 @@ def _metric_samples() -> set[str]:
     from prometheus_client.metrics import MetricWrapperBase
 
     names = set()
-    for svc in ("generator", "learner", "reward", "coordinator"):
+    for svc in ("generator", "learner", "reward", "coordinator", "env"):
         mod = importlib.import_module(f"relayrl.{svc}.metrics")
         for m in vars(mod).values():
             if isinstance(m, MetricWrapperBase):
@@ -508,7 +560,7 @@ def test_grafana_dashboard_uses_real_metric_names():
     )
     uid = ds["datasources"][0]["uid"]
     titles = " ".join(p["title"].lower() for p in dash["panels"])
-    for word in ("reward", "tokens/s", "sync", "staleness", "errors"):
+    for word in ("reward", "tokens/s", "sync", "staleness", "errors", "env"):
         assert word in titles, f"no panel about {word}"
     known = _metric_samples()
     loop = "".join((ROOT / "services" / "coordinator" / f).read_text() for f in ("loop.py", "batch.py"))

@@ -36,12 +36,15 @@ from tests.kit.deploy import (  # the token-env fixture applies to every test he
     assert_serves_tls_from,
     check_cli,
     container_config,
+    env_server,
     expand,
     flag,
     healthcheck_args,
     healthcheck_target,
+    list_envs,
     make_secrets,
     make_secrets_dir,
+    multi_turn,
     on_host,
     relayrl_invocations,
     reward_server,
@@ -260,7 +263,7 @@ def test_k8s_commands_parse_with_the_cli(overlay, rendered, secrets_dir):
             assert ann["prometheus.io/port"] == str(config.serve.metrics_port)
         else:
             seen.add(f"{args.command}")
-    assert seen == {"reward", "generator", "learner", "coordinator", "model"}
+    assert seen == {"reward", "env", "generator", "learner", "coordinator", "model"}
 
 
 def _serve(doc: dict, secrets: Path) -> tuple[dict, list[str], object]:
@@ -273,7 +276,7 @@ def _serve(doc: dict, secrets: Path) -> tuple[dict, list[str], object]:
     return c, argv, container_config(argv)
 
 
-SERVERS = ("generator", "reward", "coordinator", "learner")
+SERVERS = ("generator", "reward", "env", "coordinator", "learner")
 LEARNER_ROLES = ("critic", "reference")  # PPO's other learners (the cpu-ppo overlay)
 
 
@@ -392,7 +395,8 @@ async def test_k8s_wiring_end_to_end(rendered, secrets_dir, tmp_path):
     def here(sec: ClientSecurity) -> ClientSecurity:
         return ClientSecurity(**{k: v and on_host([v], K8S_SECRETS, secrets_dir)[0] for k, v in sec})
 
-    hosts = [a.rsplit(":", 1)[0] for a in [*exp.generators, *exp.rewards, exp.learner]]
+    envs = multi_turn(cm["data"]["experiment.yaml"], ["env:50057"], tmp_path).services.envs
+    hosts = [a.rsplit(":", 1)[0] for a in [*exp.generators, *exp.rewards, exp.learner, *envs]]
     callers = [(here(exp.security), h) for h in [*hosts, "coordinator"]]
     callers.append((here(learner), "generator-7.generator-headless"))  # after scaling to 8 replicas
     async with reward_server(served.serve) as port:
@@ -439,7 +443,7 @@ def test_k8s_cert_manager_example_fills_the_same_secrets(rendered, tmp_path):
     (tmp_path / "experiment.yaml").write_text(cm["data"]["experiment.yaml"])
     exp = load_experiment(tmp_path / "experiment.yaml").services
     hosts = {a.rsplit(":", 1)[0] for a in [*exp.generators, *exp.rewards, exp.learner]}
-    assert hosts | {"coordinator"} <= set(certs["relayrl-tls"]["dnsNames"])
+    assert hosts | {"coordinator", "env"} <= set(certs["relayrl-tls"]["dnsNames"])
     assert "127.0.0.1" in certs["relayrl-tls"]["ipAddresses"]
 
 
@@ -502,6 +506,48 @@ def test_k8s_generators_and_experiment(overlay, rendered, tmp_path, secrets_dir)
     for path in (exp.model.path, exp.data.train, exp.runs_dir):
         assert any(path == m or path.startswith(m + "/") for m in mounts), f"{path} is not mounted"
     assert Path(gen.engine.model).parent.as_posix() == "/models"
+
+
+@pytest.mark.parametrize("overlay", KUSTOMIZATIONS, ids=KIDS)
+def test_k8s_env_service_a_multi_turn_experiment_reaches(overlay, rendered, tmp_path, secrets_dir):
+    """Every variant runs the env service (CPU only, one image for all) behind the Service a
+    multi-turn experiment names in services.envs, with the coordinator's client settings."""
+    docs = rendered[overlay]
+    workloads, services = _workloads(docs), by_kind(docs, "Service")
+    env = workloads["env"]
+    assert env["kind"] == "Deployment"
+    c, _argv, config = _serve(env, secrets_dir)
+    assert c["image"] == "relayrl/env:0.1.0" and "nvidia.com/gpu" not in c["resources"].get("limits", {})
+    assert [m["mountPath"] for m in c["volumeMounts"]] == [K8S_SECRETS]  # no model, data or runs
+    ports = {p["name"]: p["port"] for p in services["env"]["spec"]["ports"]}
+    assert (ports["grpc"], ports["metrics"]) == (config.serve.port, config.serve.metrics_port)
+    assert (
+        services["env"]["spec"]["selector"].items() <= env["spec"]["template"]["metadata"]["labels"].items()
+    )
+    cm = by_kind(docs, "ConfigMap")["relayrl-experiment"]
+    exp = multi_turn(cm["data"]["experiment.yaml"], [f"env:{ports['grpc']}"], tmp_path)
+    assert exp.services.envs == [f"env:{config.serve.port}"]
+    assert_calls_with(exp.services.security, K8S_SECRETS)
+
+
+async def test_k8s_env_service_end_to_end(rendered, secrets_dir, tmp_path):
+    """The real env replica as its pod starts it (on the secrets make-secrets.sh made) passes its
+    readiness probe, and a multi-turn experiment's client settings reach it at its Service name."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed: no real certificates to serve with")
+    workloads = _workloads(rendered["cpu"])
+    c, argv, config = _serve(workloads["env"], secrets_dir)
+    _args, served = check_cli(on_host(argv, K8S_SECRETS, secrets_dir))
+    cm = by_kind(rendered["cpu"], "ConfigMap")["relayrl-experiment"]
+    exp = multi_turn(cm["data"]["experiment.yaml"], [f"env:{config.serve.port}"], tmp_path).services
+    sec = ClientSecurity(**{k: v and on_host([v], K8S_SECRETS, secrets_dir)[0] for k, v in exp.security})
+    async with env_server(served) as port:
+        probe = on_host(probe_argv(c, "readinessProbe"), K8S_SECRETS, secrets_dir)
+        assert await run_probe(probe, port) == 0
+        (host,) = [a.rsplit(":", 1)[0] for a in exp.envs]
+        name = [("grpc.ssl_target_name_override", host)]
+        async with security.client_channel(f"127.0.0.1:{port}", sec, options=name) as ch:
+            assert {"calc", "guess"} <= set(await list_envs(ch))
 
 
 def test_k8s_ppo_overlay_adds_critic_and_reference_the_ppo_experiment_reaches(

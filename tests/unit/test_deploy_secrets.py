@@ -34,9 +34,10 @@ from tests.kit.deploy import (  # the token-env fixture applies to every test he
 )
 
 REWARD = FULL_NAME["reward"]
-COMPOSE_NAMES = ("reward", "generator", "learner", "coordinator")
+COMPOSE_NAMES = ("reward", "env", "generator", "learner", "coordinator")
 K8S_NAMES = (
     "reward",
+    "env",
     "learner",
     "coordinator",
     "generator-0.generator-headless",
@@ -135,7 +136,7 @@ async def test_probe_over_mutual_tls_answers_serving_without_a_token(pki, serve,
         assert await _probe(addr, *_tls(pki)) == 0
         assert await _probe(addr, REWARD, *_tls(pki)) == 0
         # The names callers dial are on the certificate too (the probe checks 127.0.0.1 by default).
-        for name in ("reward", "generator-0.generator-headless", "localhost"):
+        for name in ("reward", "env", "generator-0.generator-headless", "localhost"):
             assert await _probe(addr, REWARD, *_tls(pki), "--server-name", name) == 0, name
         # The token still guards the service itself.
         sec = dict(tls_ca=str(pki / "ca.crt"), client_cert=str(pki / "client.crt"))

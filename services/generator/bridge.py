@@ -44,7 +44,10 @@ MAX_APPEND = 64
 MARK = "relayrl-bridge-base"
 """Content of the base dialogue's assistant turn: found in a full render when the template
 rewrites earlier turns (see the module docstring)."""
-_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool", "description": "A probe.", "parameters": {}}}
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {"name": "probe_tool", "description": "A probe.", "parameters": {}},
+}
 
 
 class BridgeError(FailedPrecondition):
@@ -76,10 +79,12 @@ class ChatCodec:
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
-        self._tails: dict[str, tuple[str, list[int]]] = {}
+        self._base_texts: dict[str, str] = {}  # render(B) per tools (an episode's turns share one)
 
     # -- rendering ---------------------------------------------------------------------------
-    def render_text(self, messages: Sequence[Message], tools: Tools = None, add_generation_prompt: bool = True) -> str:
+    def render_text(
+        self, messages: Sequence[Message], tools: Tools = None, add_generation_prompt: bool = True
+    ) -> str:
         kwargs = {"tools": list(tools)} if tools else {}
         return self.tokenizer.apply_chat_template(
             list(messages), add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
@@ -88,7 +93,9 @@ class ChatCodec:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def render(self, messages: Sequence[Message], tools: Tools = None, add_generation_prompt: bool = True) -> list[int]:
+    def render(
+        self, messages: Sequence[Message], tools: Tools = None, add_generation_prompt: bool = True
+    ) -> list[int]:
         """Token ids of a dialogue: render, then encode (as the SFT warm start and the learner).
         Without tools, exactly what a tool-free template call gives."""
         return self.encode(self.render_text(messages, tools, add_generation_prompt))
@@ -116,7 +123,9 @@ class ChatCodec:
         turn's content, and the ids the template writes after it."""
         head = [{"role": "user", "content": "Hello."}]
         opened = self.render_text(head, add_generation_prompt=True)
-        closed = self.render_text([*head, {"role": "assistant", "content": MARK}], add_generation_prompt=False)
+        closed = self.render_text(
+            [*head, {"role": "assistant", "content": MARK}], add_generation_prompt=False
+        )
         at = closed.find(MARK, len(opened))
         if not closed.startswith(opened) or at < 0:
             raise BridgeError(
@@ -159,7 +168,14 @@ class ChatCodec:
         ]
 
     def _base_text(self, tools: Tools) -> str:
-        return self.render_text(self._base(tools), tools, add_generation_prompt=False)
+        key = json.dumps(tools, sort_keys=True) if tools else ""
+        if (text := self._base_texts.get(key)) is None:
+            if len(self._base_texts) >= 256:  # many distinct tool sets: start over
+                self._base_texts.clear()
+            text = self._base_texts[key] = self.render_text(
+                self._base(tools), tools, add_generation_prompt=False
+            )
+        return text
 
     def delta(self, append: Sequence[Message], tools: Tools = None) -> list[int]:
         """The ids that follow an assistant turn's end-of-turn token when ``append`` comes next:
@@ -175,7 +191,9 @@ class ChatCodec:
             mark = full.find(MARK)
             cut = full.find(eot_text, mark) if mark >= 0 else -1
         if cut < 0:
-            raise BridgeError("the chat template's rendering of an assistant turn has no end-of-turn token to extend from")
+            raise BridgeError(
+                "the chat template's rendering of an assistant turn has no end-of-turn token to extend from"
+            )
         cut += len(eot_text)
         ids, full_ids = self.encode(full[cut:]), self.encode(full)
         at = len(full_ids) - len(ids)
@@ -220,29 +238,44 @@ class ChatCodec:
         return out
 
     def _missing_tools(self, tools: Tools) -> list[str]:
-        head = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hello."}]
+        head = [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "Hello."},
+        ]
         text = self.decode(self.render(head, tools))
         return [n for n in tool_names(tools) if n not in text]
 
     def _round_trip(self, tools: Tools, tool_format: str) -> tuple[bool, str]:
         if not tool_format:
             return False, "tool_format is empty: the model's tool calls would not be read"
-        head = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hello."}]
+        head = [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "Hello."},
+        ]
         opened = self.render(head, tools)
         for i, tool in enumerate(tools or ()):
             name, args = tool_names([tool])[0], _example_arguments(tool)
-            msg = {"role": "assistant", "content": "", "tool_calls": [openai_tool_call(f"call_{i}", name, args)]}
+            msg = {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [openai_tool_call(f"call_{i}", name, args)],
+            }
             try:
                 closed = self.render([*head, msg], tools, add_generation_prompt=False)
             except Exception as e:
                 return False, f"{name}: the template cannot render a call: {type(e).__name__}: {e}"
             if closed[: len(opened)] != opened:
                 return False, f"{name}: a rendered call does not follow the generation prompt"
-            _, calls = parse_tool_calls(self.completion_text(_cut_turn(closed[len(opened) :], self.end_of_turn_ids)), tool_format)
+            _, calls = parse_tool_calls(
+                self.completion_text(_cut_turn(closed[len(opened) :], self.end_of_turn_ids)), tool_format
+            )
             got = [(c.name, json.loads(c.arguments_json)) for c in calls if c.parse == Parse.OK]
             if got != [(name, args)]:
                 shown = [(c.name, c.arguments_json[:80], c.parse.name) for c in calls]
-                return False, f"{name}: rendered with arguments {json.dumps(args)[:200]}, read back as {shown}"
+                return (
+                    False,
+                    f"{name}: rendered with arguments {json.dumps(args)[:200]}, read back as {shown}",
+                )
         return True, ""
 
     def _probe(self, tools: Tools) -> tuple[bool, str]:
@@ -273,7 +306,10 @@ class ChatCodec:
                 except (BridgeError, InvalidRequest) as e:
                     return f"turn {k}: {e}"
             if ids != want:
-                at = next((i for i, (x, y) in enumerate(zip(ids, want, strict=False)) if x != y), min(len(ids), len(want)))
+                at = next(
+                    (i for i, (x, y) in enumerate(zip(ids, want, strict=False)) if x != y),
+                    min(len(ids), len(want)),
+                )
                 return (
                     f"turn {k}: bridge ids differ from a full render at position {at}: "
                     f"bridge {self.decode(ids[at : at + 8])!r} vs full {self.decode(want[at : at + 8])!r}"
@@ -313,8 +349,17 @@ def _roles(msgs: Sequence[Message]) -> str:
 def _example_arguments(tool: Mapping[str, Any]) -> dict[str, Any]:
     """Arguments for a tool's schema: one value of each property's type."""
     props = tool.get("function", tool).get("parameters", {}).get("properties", {}) or {}
-    values = {"string": "2 + 3 = 5, \"ok\"", "integer": 7, "number": 1.5, "boolean": True, "array": [1, "a"], "object": {"k": "v"}}
-    out = {str(k): values.get(v.get("type") if isinstance(v, Mapping) else None, "x") for k, v in props.items()}
+    values = {
+        "string": '2 + 3 = 5, "ok"',
+        "integer": 7,
+        "number": 1.5,
+        "boolean": True,
+        "array": [1, "a"],
+        "object": {"k": "v"},
+    }
+    out = {
+        str(k): values.get(v.get("type") if isinstance(v, Mapping) else None, "x") for k, v in props.items()
+    }
     return out or {"query": "probe"}
 
 
@@ -361,5 +406,13 @@ def probe_dialogues(names: Sequence[str]) -> list[list[Message]]:
             {"role": "user", "content": "Once more."},
             asks("408."),
         ],
-        [sys_, user, asks("Hmm."), {"role": "user", "content": "Go on."}, asks("", call(0, b)), answer(0, b, "done"), asks("Done.")],
+        [
+            sys_,
+            user,
+            asks("Hmm."),
+            {"role": "user", "content": "Go on."},
+            asks("", call(0, b)),
+            answer(0, b, "done"),
+            asks("Done."),
+        ],
     ]

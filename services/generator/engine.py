@@ -4,7 +4,9 @@ values that cross it, and the tensor names a model folder expects. The vLLM adap
 
 Flow: the servicer turns a ``GenerateRequest`` into ``PromptIn`` + ``SamplingSpec`` and iterates
 ``engine.generate(...)``, which yields one ``SampleOut`` per finished completion, as each
-finishes. Weight updates go ``open_weight_sync`` -> ``update_weights`` (repeatedly) ->
+finishes. Chat prompts, Continuation prompts (exact ids + new turns) and the tool calls read out
+of completions go through ``engine.chat_codec()`` (``bridge.py``, on the model's tokenizer).
+Weight updates go ``open_weight_sync`` -> ``update_weights`` (repeatedly) ->
 ``close_weight_sync``, or ``load_weights`` for the gRPC fallback.
 
 Weight swap semantics: requests in flight keep the tokens they have and continue under the new
@@ -143,7 +145,9 @@ class BucketSource:
 class GenerationEngine(Protocol):
     """What the generator servicer needs from an engine (a fake implements it in unit tests)."""
 
-    def encode_messages(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]: ...
+    def encode_messages(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]: ...
     def encode_text(self, text: str) -> list[int]: ...
     def chat_codec(self) -> ChatCodec: ...
     def check_prompt(self, token_ids: Sequence[int], spec: SamplingSpec) -> None: ...

@@ -69,8 +69,12 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 )
             if not chat.messages:
                 raise InvalidRequest(f"prompt {name}: messages is empty")
-            msgs = [message_from_proto(m, f"prompt {name}: messages[{i}]") for i, m in enumerate(chat.messages)]
-            ids = self.engine.encode_messages(msgs, tools_from_json(chat.tools_json, f"prompt {name}: tools_json"))
+            msgs = [
+                message_from_proto(m, f"prompt {name}: messages[{i}]") for i, m in enumerate(chat.messages)
+            ]
+            ids = self.engine.encode_messages(
+                msgs, tools_from_json(chat.tools_json, f"prompt {name}: tools_json")
+            )
         elif kind == "text":
             if len(p.text) > self._prompt_chars():
                 raise InvalidRequest(
@@ -79,7 +83,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             ids = self.engine.encode_text(p.text)
         elif kind == "continuation":
             limit = self.engine.status().max_model_len
-            prefix, append, tools = continuation_from_proto(p.continuation, limit, self._prompt_chars(), f"prompt {name}")
+            prefix, append, tools = continuation_from_proto(
+                p.continuation, limit, self._prompt_chars(), f"prompt {name}"
+            )
             ids = self.engine.chat_codec().bridge(prefix, append, tools)
         else:
             raise InvalidRequest(f"prompt {name}: no input (token_ids, messages or text)")
@@ -120,7 +126,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
                 metrics.SAMPLES.labels(s.finish_reason).inc()
                 if spec.tool_format:
                     text = self.engine.chat_codec().completion_text(s.token_ids)
-                    s.content, s.tool_calls = parse_tool_calls(text, spec.tool_format, f"call_{s.sample_index}_")
+                    s.content, s.tool_calls = parse_tool_calls(
+                        text, spec.tool_format, f"call_{s.sample_index}_"
+                    )
                 yield generator_pb2.GenerateResponse(samples=[sample_to_proto(s)])
         except BaseException as e:
             code = type(e).__name__

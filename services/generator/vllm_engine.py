@@ -147,7 +147,9 @@ class VLLMEngine(WeightSwaps):
         )
 
     # -- prompts ---------------------------------------------------------------------------
-    def encode_messages(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def encode_messages(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         # Render then encode: the same two steps the SFT warm start and the learner use.
         return self.chat_codec().render(messages, tools)
 

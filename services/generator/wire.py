@@ -91,7 +91,9 @@ def sampling_from_proto(p: generator_pb2.SamplingParams) -> SamplingSpec:
 
 def check_tool_format(fmt: str, name: str) -> str:
     if fmt and fmt not in FORMATS:
-        raise InvalidRequest(f"{name} must be empty, {' or '.join(map(repr, FORMATS))}; got {bounded(fmt, 40)!r}")
+        raise InvalidRequest(
+            f"{name} must be empty, {' or '.join(map(repr, FORMATS))}; got {bounded(fmt, 40)!r}"
+        )
     return fmt
 
 
@@ -114,7 +116,7 @@ def tools_from_json(tools_json: str, name: str) -> list[dict[str, Any]] | None:
         if not isinstance(tool_name, str) or not 0 < len(tool_name) <= MAX_NAME_CHARS:
             raise InvalidRequest(
                 f'{name}[{i}] must be {{"type": "function", "function": {{"name": <1 to {MAX_NAME_CHARS} '
-                'characters>, ...}}'
+                "characters>, ...}}"
             )
     return tools or None
 
@@ -126,7 +128,9 @@ def message_from_proto(m: common_pb2.ChatMessage, name: str) -> dict[str, Any]:
     if m.tool_calls:
         if len(m.tool_calls) > MAX_CALLS:
             raise InvalidRequest(f"{name}.tool_calls: {len(m.tool_calls)} calls; at most {MAX_CALLS}")
-        out["tool_calls"] = [_call_from_proto(c, f"{name}.tool_calls[{i}]") for i, c in enumerate(m.tool_calls)]
+        out["tool_calls"] = [
+            _call_from_proto(c, f"{name}.tool_calls[{i}]") for i, c in enumerate(m.tool_calls)
+        ]
     if m.tool_call_id:
         out["tool_call_id"] = m.tool_call_id
     if m.name:
@@ -144,7 +148,9 @@ def _call_from_proto(c: common_pb2.ToolCall, name: str) -> dict[str, Any]:
     except (ValueError, RecursionError):
         args = None
     if not isinstance(args, dict):
-        raise InvalidRequest(f"{name}.arguments_json must be a JSON object, got {bounded(c.arguments_json, 80)!r}")
+        raise InvalidRequest(
+            f"{name}.arguments_json must be a JSON object, got {bounded(c.arguments_json, 80)!r}"
+        )
     return openai_tool_call(c.id, c.name, args)
 
 
@@ -168,13 +174,21 @@ def continuation_from_proto(
         raise InvalidRequest(f"{name}: continuation.prefix_token_ids is empty")
     # Checked before the ids are copied or scanned (as a token_ids prompt's length).
     if (n := len(c.prefix_token_ids)) >= max_model_len:
-        raise InvalidRequest(f"{name}: continuation prefix has {n} tokens; the model takes at most {max_model_len - 1}")
+        raise InvalidRequest(
+            f"{name}: continuation prefix has {n} tokens; the model takes at most {max_model_len - 1}"
+        )
     if len(c.append) > MAX_APPEND:
-        raise InvalidRequest(f"{name}: continuation.append has {len(c.append)} messages; at most {MAX_APPEND}")
+        raise InvalidRequest(
+            f"{name}: continuation.append has {len(c.append)} messages; at most {MAX_APPEND}"
+        )
     if (size := messages_chars(c.append, c.tools_json)) > max_chars:
-        raise InvalidRequest(f"{name}: continuation has {size} characters; at most {max_chars} (max_prompt_chars)")
+        raise InvalidRequest(
+            f"{name}: continuation has {size} characters; at most {max_chars} (max_prompt_chars)"
+        )
     if any(m.tool_calls for m in c.append):
-        raise InvalidRequest(f"{name}: continuation.append holds tool and user turns, which carry no tool_calls")
+        raise InvalidRequest(
+            f"{name}: continuation.append holds tool and user turns, which carry no tool_calls"
+        )
     append = [message_from_proto(m, f"{name}: continuation.append[{i}]") for i, m in enumerate(c.append)]
     try:
         check_append(append)

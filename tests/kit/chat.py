@@ -50,7 +50,10 @@ def chat_tokenizer(family: str, vocab_size: int = 512):
     if added:
         tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=specials[0] if family != "llama3_1" else "<|end_of_text|>"
+        tokenizer_object=tok,
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=specials[0] if family != "llama3_1" else "<|end_of_text|>",
     )
     fast.chat_template = CHAT_TEMPLATE if template is None else (TEMPLATES / template).read_text()
     return fast

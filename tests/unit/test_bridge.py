@@ -50,7 +50,7 @@ def value(rng: random.Random, depth: int = 0):
     kind = rng.randrange(6 if depth < 2 else 4)
     return [
         lambda: text(rng, 0, 5),
-        lambda: rng.randint(-10**6, 10**6),
+        lambda: rng.randint(-(10**6), 10**6),
         lambda: rng.choice([0.5, -2.25, 1e-3, 3.14159]),
         lambda: rng.choice([True, False, None]),
         lambda: [value(rng, depth + 1) for _ in range(rng.randint(0, 3))],
@@ -76,12 +76,18 @@ def dialogue(rng: random.Random, family: str) -> tuple[list[dict], list[dict] | 
         m = {"role": "assistant", "content": content}
         if n_calls:
             m["tool_calls"] = [
-                openai_tool_call(f"call_{k + i}", rng.choice(names), {f"a{j}": value(rng) for j in range(rng.randint(0, 3))})
+                openai_tool_call(
+                    f"call_{k + i}",
+                    rng.choice(names),
+                    {f"a{j}": value(rng) for j in range(rng.randint(0, 3))},
+                )
                 for i in range(n_calls)
             ]
         msgs.append(m)
         for i in range(n_calls):
-            msgs.append({"role": "tool", "content": text(rng, 0), "tool_call_id": f"call_{k + i}", "name": names[0]})
+            msgs.append(
+                {"role": "tool", "content": text(rng, 0), "tool_call_id": f"call_{k + i}", "name": names[0]}
+            )
         k += n_calls
         if not n_calls or rng.random() < 0.3:
             if rng.random() < 0.7:
@@ -108,7 +114,9 @@ def play(codec: ChatCodec, msgs: list[dict], tools, fmt: str) -> list[str]:
         completion = completion[: completion.index(eot) + 1]
         ids = ids + completion
         _, calls = parse_tool_calls(codec.completion_text(completion), fmt)
-        expected = [(c["function"]["name"], c["function"]["arguments"]) for c in msgs[a].get("tool_calls", [])]
+        expected = [
+            (c["function"]["name"], c["function"]["arguments"]) for c in msgs[a].get("tool_calls", [])
+        ]
         got = [(c.name, json.loads(c.arguments_json)) for c in calls if c.parse == Parse.OK]
         if got != expected:
             problems.append(f"turn {k}: calls {expected} read back as {calls}")
@@ -157,7 +165,9 @@ def test_qwen3_template_that_strips_reasoning_is_not_prefix_preserving_but_bridg
     assert not report.prefix_preserving and "differ from a full render" in report.bridge_detail
     assert report.round_trip_ok, report.round_trip_detail
     # Turns still extend the exact ids (the ids the model saw are never re-rendered).
-    prefix = codec.render([{"role": "user", "content": "Hi"}]) + codec.encode("<think>\nhm\n</think>\n\nHello.<|im_end|>")
+    prefix = codec.render([{"role": "user", "content": "Hi"}]) + codec.encode(
+        "<think>\nhm\n</think>\n\nHello.<|im_end|>"
+    )
     out = codec.bridge(prefix, [{"role": "user", "content": "Again."}])
     assert out[: len(prefix)] == prefix
     assert codec.decode(out[len(prefix) :]) == "\n<|im_start|>user\nAgain.<|im_end|>\n<|im_start|>assistant\n"
@@ -187,7 +197,10 @@ def test_tiny_template_renders_tool_free_dialogues_byte_for_byte_as_before():
     old = _with_template(new, OLD_TINY_TEMPLATE)
     rng = random.Random("tool-free")
     for _ in range(300):
-        msgs = [{"role": rng.choice(["system", "user", "assistant"]), "content": text(rng)} for _ in range(rng.randint(1, 7))]
+        msgs = [
+            {"role": rng.choice(["system", "user", "assistant"]), "content": text(rng)}
+            for _ in range(rng.randint(1, 7))
+        ]
         for gen in (True, False):
             kw = {"add_generation_prompt": gen, "tokenize": False}
             assert new.apply_chat_template(msgs, **kw) == old.apply_chat_template(msgs, **kw)
@@ -200,12 +213,18 @@ def test_tiny_template_tool_branches():
     msgs = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "12 * 34?"},
-        {"role": "assistant", "content": "", "tool_calls": [openai_tool_call("c0", "calc", {"expr": "12 * 34"})]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [openai_tool_call("c0", "calc", {"expr": "12 * 34"})],
+        },
         {"role": "tool", "content": "408", "tool_call_id": "c0", "name": "calc"},
         {"role": "tool", "content": "ok", "tool_call_id": "c1", "name": "calc"},
     ]
     out = tok.apply_chat_template(msgs, tools=TOOL_POOL[:1], add_generation_prompt=True, tokenize=False)
-    assert out.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n") and out.count("<|im_start|>system") == 1
+    assert (
+        out.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n") and out.count("<|im_start|>system") == 1
+    )
     assert '<tools>\n{"type": "function", "function": {"name": "calc"' in out
     assert out.endswith(
         '<|im_start|>user\n12 * 34?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{"name": "calc", "arguments": '

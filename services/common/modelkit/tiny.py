@@ -75,7 +75,9 @@ def tokenizer_corpus(seed: int, tools: bool = False) -> list[str]:
     return corpus
 
 
-def write_tiny_model(out: str | Path, seed: int = 0, spec: TinySpec | None = None, tools: bool = False) -> Path:
+def write_tiny_model(
+    out: str | Path, seed: int = 0, spec: TinySpec | None = None, tools: bool = False
+) -> Path:
     """Write a random-init tiny Qwen2 model and its tokenizer to ``out``; returns the folder.
     ``tools``: a tokenizer trained on the tool text too (``tokenizer_corpus``).
 

@@ -37,7 +37,9 @@ SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 TOOLS_OPEN, TOOLS_CLOSE = "<tools>", "</tools>"
-TOOLS_INTRO = "# Tools\n\nYou may call one or more functions. Their signatures are within <tools></tools>:\n<tools>"
+TOOLS_INTRO = (
+    "# Tools\n\nYou may call one or more functions. Their signatures are within <tools></tools>:\n<tools>"
+)
 TOOLS_OUTRO = (
     "\n</tools>\n\nFor each call, write a JSON object with the function name and arguments within "
     '<tool_call></tool_call>:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
@@ -57,7 +59,7 @@ CHAT_TEMPLATE = (
     "{% if message['content'] %}{{ '\\n' + message['content'] }}{% endif %}"
     "{% for tool_call in message.tool_calls %}"
     "{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}"
-    "{{ '\\n<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    '{{ \'\\n<tool_call>\\n{"name": "\' + tool_call.name + \'", "arguments": \' }}'
     "{{ tool_call.arguments | tojson }}{{ '}\\n</tool_call>' }}"
     "{% endfor %}"
     "{{ '<|im_end|>\\n' }}"

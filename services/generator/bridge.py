@@ -41,6 +41,8 @@ Tools = Sequence[Mapping[str, Any]] | None
 
 MAX_APPEND = 64
 """Most messages one continuation appends."""
+MAX_ROUND_TRIPS = 64
+"""Most tools whose calls ``check`` renders and reads back (each is one render with every tool)."""
 MARK = "relayrl-bridge-base"
 """Content of the base dialogue's assistant turn: found in a full render when the template
 rewrites earlier turns (see the module docstring)."""
@@ -230,8 +232,12 @@ class ChatCodec:
             out.round_trip_detail = out.bridge_detail = f"{type(e).__name__}: {e}"
             return out
         if tools:
-            out.tools_missing_from_prompt = self._missing_tools(tools)
-            out.round_trip_ok, out.round_trip_detail = self._round_trip(tools, tool_format)
+            try:
+                out.tools_missing_from_prompt = self._missing_tools(tools)
+                out.round_trip_ok, out.round_trip_detail = self._round_trip(tools, tool_format)
+            except Exception as e:  # the template fails on a dialogue with tools
+                out.tools_missing_from_prompt = tool_names(tools)
+                out.round_trip_detail = f"the template cannot render the tools: {type(e).__name__}: {e}"
         else:
             out.round_trip_detail = "no tools given: no tool call to read back"
         out.prefix_preserving, out.bridge_detail = self._probe(tools)
@@ -253,7 +259,7 @@ class ChatCodec:
             {"role": "user", "content": "Hello."},
         ]
         opened = self.render(head, tools)
-        for i, tool in enumerate(tools or ()):
+        for i, tool in enumerate(list(tools or ())[:MAX_ROUND_TRIPS]):
             name, args = tool_names([tool])[0], _example_arguments(tool)
             msg = {
                 "role": "assistant",
@@ -289,7 +295,11 @@ class ChatCodec:
             except Exception:  # a dialogue this template refuses (Llama-3.1: one call per turn)
                 continue
             ran += 1
-            if (diff := self._replay(dialogue, tools)) is not None:
+            try:
+                diff = self._replay(dialogue, tools)
+            except Exception as e:  # the template fails on a part of a dialogue it renders whole
+                diff = f"{type(e).__name__}: {e}"
+            if diff is not None:
                 return False, f"probe dialogue {n} ({_roles(dialogue)}): {diff}"
         return (True, "") if ran else (False, "the template rendered none of the probe dialogues")
 

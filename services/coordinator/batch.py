@@ -32,9 +32,20 @@ class Rollout:
     environment tokens), by (prompt_id, sample_index); a sample not here trains on every token."""
     stats: dict[str, float] = field(default_factory=dict)
     """Metrics of how the rollout was made (multi-turn: tool calls, turns, redone episodes)."""
+    segments: dict[tuple[str, int], list[common_pb2.Sample]] = field(default_factory=dict)
+    """Samples that train as several learner samples (a step-wise episode: one per model call),
+    by (prompt_id, sample_index); the sample in ``groups`` then stands for them in the group."""
 
     def mask(self, s: common_pb2.Sample) -> list[float] | None:
         return self.masks.get((s.prompt_id, s.sample_index))
+
+    def train_samples(self, s: common_pb2.Sample, **advantage) -> list[lp.TrainSample]:
+        """The learner's samples for ``s``: one, masked where its tokens are not the model's, or
+        one per segment, each with ``s``'s advantage."""
+        segments = self.segments.get((s.prompt_id, s.sample_index))
+        if segments is not None:
+            return [train_sample(seg, None, **advantage) for seg in segments]
+        return [train_sample(s, self.mask(s), **advantage)]
 
 
 def train_sample(s: common_pb2.Sample, mask: list[float] | None = None, **advantage) -> lp.TrainSample:

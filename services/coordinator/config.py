@@ -139,12 +139,20 @@ class EpisodesSection(StrictModel):
     metrics, or the run fails."""
     zero_tool_steps: int = Field(3, ge=1, le=1000)
     """Training steps in a row without a tool call that trip the alarm."""
+    turns: Literal["exact", "stepwise"] = "exact"
+    """How a turn's prompt is made. ``exact``: the previous turn's exact tokens extended with the
+    environment's answer (the generator's bridge); the episode is one learner sample, the
+    environment's tokens masked. ``stepwise``: the whole dialogue rendered again by the chat
+    template for every call (for templates that are not prefix-preserving, e.g. ones that strip
+    earlier reasoning); each call is a learner sample of its own (a segment) carrying its
+    episode's advantage. Token-exact per segment either way. Stepwise costs O(turns^2) tokens and
+    takes group advantages only (grpo, drgrpo, rloo)."""
     allow_template_drift: bool = False
-    """Train even when the chat template is not prefix-preserving (the generator's CheckChat:
-    rendering the whole dialogue gives other tokens than the turn-by-turn bridge, e.g. a template
-    that strips earlier reasoning). Training stays token-exact either way (the learner sees the
-    tokens sampled); the model then trains on contexts a full render would not show it. False
-    refuses to start, naming the difference."""
+    """With ``turns: exact``, train even when the chat template is not prefix-preserving (the
+    generator's CheckChat: rendering the whole dialogue gives other tokens than the turn-by-turn
+    bridge). Training stays token-exact (the learner sees the tokens sampled); the model then
+    trains on contexts a full render would not show it. False refuses to start, naming the
+    difference and pointing to ``turns: stepwise``."""
 
 
 class AlgorithmSection(StrictModel):

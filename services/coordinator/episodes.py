@@ -40,7 +40,7 @@ from relayrl.coordinator.clients import GeneratorPool, version_of
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.envs import EnvPool, EpisodeLost
 from relayrl.coordinator.errors import RunFailure
-from relayrl.coordinator.trajectories import assemble, check_prefix
+from relayrl.coordinator.trajectories import assemble, check_prefix, segments_sample
 from relayrl.env.v1 import env_pb2 as ev
 from relayrl.generator.v1 import generator_pb2 as g
 from relayrl.reward.v1 import reward_pb2 as rw
@@ -87,6 +87,7 @@ class Episode:
     truncated: bool = False
     redone: int = 0
     masked: bool = False
+    segments: list[common_pb2.Sample] | None = None  # stepwise: one learner sample per call
     version_spread: int = 0  # newest minus oldest policy version among its turns
 
 
@@ -125,13 +126,16 @@ class MultiTurn:
                 f"episodes.tool_format {fmt!r}: a tool call the chat template renders does not parse back "
                 f"the same: {check.round_trip_detail[:500]}"
             )
-        if not check.prefix_preserving:
+        if not check.prefix_preserving and self.ep.turns == "exact":
             msg = (
                 "the chat template is not prefix-preserving (rendering a dialogue whole differs from "
                 f"extending it turn by turn): {check.bridge_detail[:500]}"
             )
             if not self.ep.allow_template_drift:
-                raise ChatTemplateUnfit(msg + "; set episodes.allow_template_drift to train on it anyway")
+                raise ChatTemplateUnfit(
+                    msg + "; use episodes.turns: stepwise (every call rendered whole, one learner sample "
+                    "each), or set episodes.allow_template_drift to train on the turn-by-turn tokens"
+                )
             logger.warning("%s; training token-exactly on the turn-by-turn tokens", msg)
         if self.info.expects_tools and not fmt:
             logger.warning(
@@ -139,6 +143,14 @@ class MultiTurn:
                 self.ep.env,
             )
         self.stop_ids = list(check.stop_token_ids)
+
+    def _assistant(self, s: common_pb2.Sample) -> common_pb2.ChatMessage:
+        """The model's turn as a message to render again (stepwise): its text outside the tool
+        calls and the calls that parsed (one that did not cannot be rendered as a call)."""
+        ok = [c for c in s.tool_calls if c.parse == common_pb2.TOOL_CALL_PARSE_OK]
+        return common_pb2.ChatMessage(
+            role="assistant", content=s.content if self.ep.tool_format else s.text, tool_calls=ok
+        )
 
     def _sampling(self, evaluation: bool, max_tokens: int) -> g.SamplingParams:
         s, sched = self.cfg.sampling, self.cfg.schedule
@@ -181,13 +193,13 @@ class MultiTurn:
         ]
         flat = [e for eps in episodes for e in eps]
         masks = {(e.sample.prompt_id, e.sample.sample_index): e.mask for e in flat if not all(e.mask)}
+        segments = {(e.sample.prompt_id, e.sample.sample_index): e.segments for e in flat if e.segments}
         stats = episode_stats(flat)
         if not evaluation:
             stats.update(self._alarm(flat))
         tokens = sum(int(sum(e.mask)) for e in flat)
-        return Rollout(
-            groups, {"generate": t1 - t0, "score": 0.0}, tokens, [pid for pid, _ in batch], masks, stats
-        )
+        seconds = {"generate": t1 - t0, "score": 0.0}
+        return Rollout(groups, seconds, tokens, [pid for pid, _ in batch], masks, stats, segments)
 
     def _alarm(self, episodes: list[Episode]) -> dict[str, float]:
         """The zero-tool alarm, over training steps in a row (``episodes.zero_tool_alarm``)."""
@@ -307,13 +319,15 @@ class MultiTurn:
         turns: list[common_pb2.Sample] = []
         prefix: list[int] = []
         room = self.cfg.sampling.max_tokens
+        stepwise = self.ep.turns == "stepwise"
+        history = list(reset.messages)  # stepwise: the dialogue, rendered whole for every call
         counts = Episode(common_pb2.Sample(), [], rw.RewardResult())
         for k in range(limit):
             got = await self.gen.generate(
                 [prompt], self._sampling(evaluation, room), f"{tag}-{eid}-t{k}", min_version, affinity=eid
             )
             s = got[prompt.prompt_id][0]
-            if k:
+            if k and not stepwise:
                 check_prefix(prefix, s, f"episode {eid} turn {k}")
             turns.append(s)
             calls = list(s.tool_calls)
@@ -350,13 +364,20 @@ class MultiTurn:
             if room < 1:
                 counts.truncated = True
                 break
-            prompt = common_pb2.Prompt(
-                prompt_id=f"{eid}/t{k + 1}",
-                continuation=common_pb2.Continuation(
+            if stepwise:
+                history += [self._assistant(s), *step.observations]
+                nxt = {"messages": common_pb2.ChatMessages(messages=history, tools_json=reset.tools_json)}
+            else:
+                cont = common_pb2.Continuation(
                     prefix_token_ids=prefix, append=step.observations, tools_json=reset.tools_json
-                ),
-            )
-        counts.sample, counts.mask = assemble(turns, pid, i)
+                )
+                nxt = {"continuation": cont}
+            prompt = common_pb2.Prompt(prompt_id=f"{eid}/t{k + 1}", **nxt)
+        if stepwise:
+            counts.sample, counts.segments = segments_sample(turns, pid, i), turns
+            counts.mask = [1.0] * sum(len(t.completion_token_ids) for t in turns)
+        else:
+            counts.sample, counts.mask = assemble(turns, pid, i)
         counts.turns = len(turns)
         versions = [version_of(t) for t in turns] + [t.policy_version for t in turns]
         counts.version_spread = max(versions) - min(versions)

@@ -108,3 +108,29 @@ def assemble(
         text="".join(t.text for t in turns),
     )
     return sample, mask
+
+
+def segments_sample(turns: Sequence[common_pb2.Sample], prompt_id: str, index: int) -> common_pb2.Sample:
+    """The sample that stands for a step-wise episode in its group (its turns train as samples of
+    their own): the first call's tokens, the oldest policy version of any call, the last call's
+    finish reason, every call's text.
+
+    >>> t0 = common_pb2.Sample(prompt_token_ids=[1], completion_token_ids=[2], policy_version=4, text="a")
+    >>> t1 = common_pb2.Sample(prompt_token_ids=[1, 2, 9], completion_token_ids=[3], policy_version=5, text="b")
+    >>> s = segments_sample([t0, t1], "p", 1)
+    >>> s.prompt_id, s.sample_index, s.policy_version, s.text
+    ('p', 1, 4, 'ab')
+    """
+    first = turns[0]
+    oldest = min(v for t in turns for v in [t.policy_version, *(sp.version for sp in t.version_spans)])
+    return common_pb2.Sample(
+        prompt_id=prompt_id,
+        sample_index=index,
+        prompt_token_ids=first.prompt_token_ids,
+        completion_token_ids=first.completion_token_ids,
+        logprobs=first.logprobs,
+        finish_reason=turns[-1].finish_reason,
+        policy_version=oldest,
+        replica_id=turns[-1].replica_id,
+        text="".join(t.text for t in turns),
+    )

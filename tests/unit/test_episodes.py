@@ -41,6 +41,7 @@ class Gen:
             round_trip_ok=True, prefix_preserving=True, stop_token_ids=[STOP]
         )
         self.requests: list[tuple[str, g.SamplingParams, str]] = []
+        self.histories: list[list[common_pb2.ChatMessage]] = []
 
     async def check_chat(self, tools_json, tool_format):
         return self.check, 4096
@@ -48,12 +49,14 @@ class Gen:
     async def generate(self, prompts, sampling, request_id, min_version=0, affinity=""):
         (p,) = prompts
         self.requests.append((p.prompt_id, sampling, affinity))
-        if p.WhichOneof("input") == "messages":
+        first = p.prompt_id.endswith("/t0")
+        if p.WhichOneof("input") == "messages":  # the first turn, or any turn stepwise
             assert p.messages.tools_json == TOOLS
-            ids, first = PROMPT, True
+            self.histories.append(list(p.messages.messages))
+            ids = PROMPT if first else PROMPT + [50 + len(p.messages.messages)]
         else:
             prefix = list(p.continuation.prefix_token_ids)
-            ids, first = (prefix[:-1] + [5] + BRIDGE) if self.drift else (prefix + BRIDGE), False
+            ids = (prefix[:-1] + [5] + BRIDGE) if self.drift else (prefix + BRIDGE)
         call = first and self.calls_tool
         s = common_pb2.Sample(
             prompt_id=p.prompt_id,
@@ -74,8 +77,8 @@ class Env:
     """An env pool: a tool call gets a tool answer, an answer ends the episode with reward 1.
     ``lose``: how many attempts of every episode fail (the replica died). ``outcome``: Close's."""
 
-    def __init__(self, lose=0, outcome=ev.OUTCOME_OK, expects_tools=True):
-        self.lose, self.outcome, self.expects_tools = lose, outcome, expects_tools
+    def __init__(self, lose=0, outcome=ev.OUTCOME_OK, expects_tools=True, reward=lambda session: 1.0):
+        self.lose, self.outcome, self.expects_tools, self.reward = lose, outcome, expects_tools, reward
         self.resets: list[tuple[str, int, int]] = []
         self.open: set[str] = set()
 
@@ -99,7 +102,9 @@ class Env:
 
     async def close_session(self, rep, req):
         self.open.discard(req.session_id)
-        return ev.CloseResponse(reward=1.0, outcome=self.outcome, failure_kind="verifier_failed")
+        return ev.CloseResponse(
+            reward=self.reward(req.session_id), outcome=self.outcome, failure_kind="verifier_failed"
+        )
 
 
 def _cfg(n=2, **episodes):
@@ -226,3 +231,33 @@ def test_template_drift_may_be_allowed_explicitly():
     source = MultiTurn(_cfg(allow_template_drift=True), Gen(check=check), Env())
     asyncio.run(source.prepare())
     assert source.stop_ids == [STOP]
+
+
+def test_stepwise_renders_every_call_whole_and_trains_each_with_its_episodes_advantage():
+    from relayrl.coordinator import algorithms
+
+    cfg = _cfg(n=2, turns="stepwise")
+    gen = Gen()
+    env = Env(reward=lambda session: 1.0 if session.startswith("p0/0#") else 0.0)
+    ro = _run(MultiTurn(cfg, gen, env))
+    # the second call's prompt is the whole dialogue: user, the model's call, the tool's answer
+    second = gen.histories[-1]
+    assert [m.role for m in second] == ["user", "assistant", "tool"]
+    assert [c.name for c in second[1].tool_calls] == ["calc"] and second[2].content == "42"
+    assert not ro.masks and sorted(ro.segments) == [("p0", 0), ("p0", 1)]
+    assert [len(ro.segments["p0", i]) for i in range(2)] == [2, 2]
+    batch = asyncio.run(algorithms.make(cfg, {}, "r").batch(0, 3, ro))
+    assert len(batch.actor) == 4  # two episodes, two calls each
+    adv = [t.advantage for t in batch.actor]
+    assert adv[0] == adv[1] > 0 > adv[2] == adv[3]
+    assert [list(t.completion_token_ids) for t in batch.actor[:2]] == [[10, 11, STOP], [12, STOP]]
+    assert all(not t.loss_mask for t in batch.actor)
+
+
+def test_stepwise_refuses_token_level_advantages():
+    from relayrl.coordinator.algorithms.token import TokenFamily
+
+    cfg = _cfg(turns="stepwise")
+    cfg.algorithm = AlgorithmSection(advantage="reinforce_pp")
+    with pytest.raises(ValueError, match="episodes.turns: stepwise"):
+        TokenFamily.check(cfg)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from relayrl.coordinator.algorithms.advantages import advantages
 from relayrl.coordinator.algorithms.base import Algorithm, TrainBatch
-from relayrl.coordinator.batch import Rollout, fresh_groups, train_sample
+from relayrl.coordinator.batch import Rollout, fresh_groups
 from relayrl.coordinator.config import ExperimentConfig
 
 
@@ -38,6 +38,8 @@ class GroupFamily(Algorithm):
                 flat += 1  # equal rewards: zero gradient, only cost
                 continue
             out += [
-                train_sample(s, rollout.mask(s), advantage=x) for (s, _), x in zip(scored, adv, strict=True)
+                t
+                for (s, _), x in zip(scored, adv, strict=True)
+                for t in rollout.train_samples(s, advantage=x)
             ]
         return TrainBatch(out, stats={**stats, "zero_signal_groups": flat, "unscored_groups": thin})

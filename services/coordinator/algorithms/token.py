@@ -46,6 +46,12 @@ class TokenFamily(Algorithm):
         a = cfg.algorithm
         if a.critic_warmup >= cfg.schedule.steps:
             raise ValueError("algorithm.critic_warmup must be fewer than schedule.steps")
+        episodes = getattr(cfg, "episodes", None)
+        if episodes is not None and episodes.turns == "stepwise":
+            raise ValueError(
+                f"episodes.turns: stepwise makes several learner samples of one episode; {a.advantage}'s "
+                "per-token advantages need the episode as one sample (turns: exact), or use grpo, drgrpo or rloo"
+            )
 
     async def batch(self, step: int, version: int, rollout: Rollout) -> TrainBatch:
         """Advantages from every scored sample of the fresh groups together: with GAE the

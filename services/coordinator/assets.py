@@ -4,10 +4,13 @@ missing is named before anything starts (``missing_inputs``); what the config sa
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from relayrl.coordinator.config import ExperimentConfig
+from relayrl.coordinator.config import EPISODE_WARM_STARTS, ExperimentConfig, TinyModelSpec
 from relayrl.coordinator.trackers import missing_packages
 
 
@@ -34,16 +37,11 @@ def prepare(cfg: ExperimentConfig, stop: Callable[[], bool] | None = None) -> bo
         raise ValueError("; ".join(problems))
     model = Path(cfg.model.path)
     if cfg.services.embedded and not (model / "config.json").exists():
-        from relayrl.common.modelkit.sft import warm_start
-        from relayrl.common.modelkit.tiny import update_card, write_tiny_model
-
-        t = cfg.model.tiny
         print(f"building tiny model in {model} ...", flush=True)
-        write_tiny_model(model, seed=t.seed)
-        if t.task and t.sft_steps:
-            res = warm_start(model, t.task, t.sft_steps, seed=t.seed)
-            update_card(model, sft_task=t.task, sft_steps=t.sft_steps, sft_heldout_exact=res.heldout_exact)
-            print(f"warm-started on {t.task}: held-out greedy exact {res.heldout_exact:.2f}", flush=True)
+        if cfg.model.tiny.task in EPISODE_WARM_STARTS:
+            build_episode_model(model, cfg.model.tiny)
+        else:
+            build_tiny_model(model, cfg.model.tiny)
     spec = cfg.data.generate
     for path, split, n in (
         (cfg.data.train, "train", spec and spec.n_train),
@@ -59,3 +57,34 @@ def prepare(cfg: ExperimentConfig, stop: Callable[[], bool] | None = None) -> bo
                 return False
             write_rows(rows, path)
     return True
+
+
+def build_tiny_model(model: Path, t: TinyModelSpec) -> None:
+    """A tiny model, warm-started on a single-turn task when ``t`` names one."""
+    from relayrl.common.modelkit.sft import warm_start
+    from relayrl.common.modelkit.tiny import update_card, write_tiny_model
+
+    write_tiny_model(model, seed=t.seed)
+    if t.task and t.sft_steps:
+        res = warm_start(model, t.task, t.sft_steps, seed=t.seed, lr=t.sft_lr)
+        update_card(model, sft_task=t.task, sft_steps=t.sft_steps, sft_heldout_exact=res.heldout_exact)
+        print(f"warm-started on {t.task}: held-out greedy exact {res.heldout_exact:.2f}", flush=True)
+
+
+def build_episode_model(model: Path, t: TinyModelSpec) -> None:
+    """A tiny model warm-started on an env's episodes, built by ``relayrl.warmstart`` in a process
+    of its own (it joins the generator's chat codec and the env's code, which the coordinator
+    only reaches through their services), in a folder beside ``model`` whose files move in when
+    it is complete, config.json last: a build cut short leaves no model that looks finished."""
+    part = model.with_name(model.name + ".part")
+    shutil.rmtree(part, ignore_errors=True)
+    cmd = [sys.executable, "-m", "relayrl.warmstart", "--out", str(part), "--task", str(t.task)]
+    cmd += ["--seed", str(t.seed), "--sft-steps", str(t.sft_steps), "--sft-lr", str(t.sft_lr)]
+    cmd += ["--tool-share", str(t.tool_share)]
+    done = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)  # its progress on our stdout
+    if done.returncode:
+        raise RuntimeError(f"building the tiny {t.task} model failed: {done.stderr[-2000:]}")
+    model.mkdir(parents=True, exist_ok=True)
+    for f in sorted(part.iterdir(), key=lambda f: f.name == "config.json"):  # config.json last
+        f.replace(model / f.name)
+    part.rmdir()

@@ -31,6 +31,17 @@ class TinyModelSpec(StrictModel):
     """Supervised warm-start steps (an R1-Zero-like starting point: RL then has room to improve)."""
     seed: int = 0
     """Seed of the weights, tokenizer corpus and warm-start data."""
+    sft_lr: float = Field(1e-3, gt=0, le=1)
+    """Learning rate of the warm start."""
+    tool_share: float = Field(0.5, ge=0, le=1)
+    """Tasks of an env with tools (``calc``): the share of warm-start episodes that call the tool
+    (the rest answer at once). Their warm start is multi-turn (``relayrl.warmstart``): episodes
+    rendered through the generator's chat codec, loss on the model's turns only, and the
+    tokenizer learns the env's tool text too."""
+
+
+EPISODE_WARM_STARTS = ("calc",)
+"""``model.tiny.task`` values whose warm start is on an env's episodes (``relayrl.warmstart``)."""
 
 
 class ModelSection(StrictModel):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,12 +56,13 @@ class TinySpec:
             raise ValueError("vocab_size must be >= 300 (256 bytes + special tokens + merges)")
 
 
-def tokenizer_corpus(seed: int, tools: bool = False) -> list[str]:
+def tokenizer_corpus(seed: int, tools: bool = False, extra: Sequence[str] = ()) -> list[str]:
     """Texts the tokenizer is trained on: every built-in task's prompts and completions; with
     ``tools``, also the chat template's tool text (``<tool_call>`` blocks, ``<tool_response>``,
     the ``<tools>`` instructions) as ordinary text, so tool turns take few tokens and skip-special
     decoding keeps them. Off by default: it changes the vocabulary, and existing tiny models (and
-    what was measured on them) must stay as they are."""
+    what was measured on them) must stay as they are. ``extra``: more texts, last (an env's own
+    prompts and answers for a model warm-started on its episodes); none by default."""
     from relayrl.common.data.tasks import SINGLE_TURN_TASKS, generate, reference_completion
     from relayrl.common.modelkit.tokenizer import TOOLS_INTRO, TOOLS_OUTRO
 
@@ -72,14 +74,19 @@ def tokenizer_corpus(seed: int, tools: bool = False) -> list[str]:
             corpus.append(reference_completion(row))
     if tools:
         corpus += [TOOLS_INTRO + TOOLS_OUTRO] + _TOOL_TEXT * 50
-    return corpus
+    return corpus + list(extra)
 
 
 def write_tiny_model(
-    out: str | Path, seed: int = 0, spec: TinySpec | None = None, tools: bool = False
+    out: str | Path,
+    seed: int = 0,
+    spec: TinySpec | None = None,
+    tools: bool = False,
+    extra_corpus: Sequence[str] = (),
 ) -> Path:
     """Write a random-init tiny Qwen2 model and its tokenizer to ``out``; returns the folder.
-    ``tools``: a tokenizer trained on the tool text too (``tokenizer_corpus``).
+    ``tools``: a tokenizer trained on the tool text too; ``extra_corpus``: and on these texts
+    (``tokenizer_corpus``).
 
     Same seed and spec -> byte-identical safetensors and tokenizer files.
     """
@@ -90,7 +97,7 @@ def write_tiny_model(
     spec = spec or TinySpec()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_bpe(tokenizer_corpus(seed, tools=tools), vocab_size=spec.vocab_size)
+    tok = train_bpe(tokenizer_corpus(seed, tools=tools, extra=extra_corpus), vocab_size=spec.vocab_size)
     save_tokenizer(tok, out, model_max_length=spec.max_position_embeddings)
     # Pad the embedding to a multiple of 64 (as real models do); ids beyond the tokenizer's
     # vocabulary are never produced by it but are valid rows for the model.

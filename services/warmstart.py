@@ -1,0 +1,197 @@
+"""The episode warm start of a tiny model: multi-turn SFT on an env's own episodes, rendered
+through the generator's own chat codec, so SFT trains on the very tokens an RL episode of the
+same actions gives (``tests/unit/test_warmstart.py`` checks it against the coordinator's
+episodes).
+
+It joins two services' code, the generator's (``ChatCodec``: render and bridge; the hermes
+tool-call parser) and the env's (``CalcEnv``: its first messages, tools, tool answers and
+reward), so it sits on the top floor beside the commands. The coordinator runs it as a process,
+as it runs the services: ``python -m relayrl.warmstart --out DIR --task calc --sft-steps N``.
+
+calc traces, ``tool_share`` of them on the tool branch: the env's first messages (Reset), one
+hermes call ``calc({"expression": "a * b"})`` as the template renders an assistant call, the
+env's answer (Step) bridged on, then "The answer is N."; the rest answer "The answer is N." at
+once. The tiny model cannot multiply 3-digit numbers, so the direct branch is mostly wrong: RL
+must move the policy onto the tool. Held out: greedy episodes played against the env (tool
+calls per episode, accuracy by the env's reward, and accuracy on each branch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+import time
+from pathlib import Path
+
+from relayrl.common.data.tasks import generate
+from relayrl.common.modelkit.episodes import Trace, episode_trace, load, play, train_traces
+from relayrl.env.base import Action, ToolCall
+from relayrl.env.calc import CalcEnv
+from relayrl.generator.bridge import ChatCodec
+from relayrl.generator.toolcalls import Parse, openai_tool_call, parse_tool_calls
+
+logger = logging.getLogger(__name__)
+
+TASKS = ("calc",)
+"""Tasks whose warm start is multi-turn (the rest: ``relayrl model tiny --task``)."""
+TOOL_FORMAT = "hermes"
+MAX_NEW_TOKENS = 48
+"""Longest turn in the held-out episodes (a calc call is about 30 tokens)."""
+
+
+def calc_tools() -> list[dict]:
+    """The tools as the generator receives them from the env service (its JSON, read back)."""
+    return json.loads(json.dumps(CalcEnv.tools))
+
+
+def calc_corpus(seed: int) -> list[str]:
+    """calc's texts for the tokenizer: the env's system message and tool schema, the questions,
+    calls, tool answers and final answers (ordinary text)."""
+    rows = generate("calc", 200, seed=seed, split="train")
+    out = [CalcEnv.SYSTEM] * 20 + [json.dumps(t, ensure_ascii=False) for t in CalcEnv.tools] * 20
+    for row in rows:
+        expression, answer = row["extra_info"]["expression"], row["reward_model"]["ground_truth"]
+        out += [
+            row["prompt"][-1]["content"],
+            f'<tool_call>\n{{"name": "calc", "arguments": {{"expression": "{expression}"}}}}\n</tool_call>',
+            f"<tool_response>\n{answer}\n</tool_response>",
+            f"The answer is {answer}.",
+        ]
+    return out
+
+
+def calc_trace(codec: ChatCodec, row: dict, seed: int, tool: bool) -> Trace:
+    """One calc episode's trace: the tool branch (call, the env's answer, final answer) or the
+    direct one (final answer at once); the env's own Reset and Step make its messages."""
+    env = CalcEnv()
+    first = env.reset(row, seed)
+    final = {"role": "assistant", "content": f"The answer is {row['reward_model']['ground_truth']}."}
+    if not tool:
+        return episode_trace(codec, first, calc_tools(), [(final, [])])
+    args = {"expression": row["extra_info"]["expression"]}
+    call = {"role": "assistant", "content": "", "tool_calls": [openai_tool_call("call_0_0", "calc", args)]}
+    answer, done, _ = env.step(Action("", (ToolCall("call_0_0", "calc", json.dumps(args)),)))
+    assert not done, "calc ended the episode on a tool call"
+    return episode_trace(codec, first, calc_tools(), [(call, answer), (final, [])])
+
+
+class CalcPlayer:
+    """A held-out episode against a ``CalcEnv``, the model's turns read as the generator reads
+    them (hermes calls out of the completion's text, special tokens kept)."""
+
+    def __init__(self, codec: ChatCodec, row: dict, seed: int):
+        self.codec, self.env = codec, CalcEnv()
+        self.ids = codec.render(self.env.reset(row, seed), calc_tools())
+        self.tool_calls, self.turns = 0, 0
+
+    def step(self, completion: list[int]) -> list[dict] | None:
+        ended = bool(completion) and completion[-1] in self.codec.end_of_turn_ids
+        _, calls = parse_tool_calls(
+            self.codec.completion_text(completion), TOOL_FORMAT, f"call_{self.turns}_"
+        )
+        text = self.codec.tokenizer.decode(completion, skip_special_tokens=True)
+        action = Action(
+            text,
+            tuple(ToolCall(c.id, c.name, c.arguments_json, c.parse.name.lower()) for c in calls),
+            "stop" if ended else "length",
+        )
+        self.turns += 1
+        self.tool_calls += sum(c.parse == Parse.OK for c in calls)
+        answer, done, _ = self.env.step(action)
+        return None if done or self.turns >= self.env.max_turns else answer
+
+    def correct(self) -> bool:
+        return self.env.reward().reward >= 1.0
+
+
+def heldout(model, codec: ChatCodec, rows: list[dict], seed: int) -> dict[str, float]:
+    """Greedy held-out episodes: tool calls per episode, accuracy, and accuracy with and
+    without a tool call."""
+    from relayrl.common.modelkit.sft import greedy_generate
+
+    players = [CalcPlayer(codec, r, seed + i) for i, r in enumerate(rows)]
+    for start in range(0, len(players), 32):
+        chunk = players[start : start + 32]
+        play(
+            model,
+            codec,
+            chunk,
+            calc_tools(),
+            codec.tokenizer.pad_token_id,
+            MAX_NEW_TOKENS,
+            4,
+            greedy_generate,
+        )
+    used = [p for p in players if p.tool_calls]
+    direct = [p for p in players if not p.tool_calls]
+    share = lambda ps: sum(p.correct() for p in ps) / len(ps) if ps else float("nan")  # noqa: E731
+    return {
+        "tool_calls_per_episode": sum(p.tool_calls for p in players) / max(1, len(players)),
+        "accuracy": share(players),
+        "accuracy_with_tool": share(used),
+        "accuracy_without_tool": share(direct),
+        "n": len(players),
+    }
+
+
+def warm_start_calc(
+    out: Path, seed: int, steps: int, lr: float, batch_size: int, tool_share: float, n_heldout: int
+) -> dict[str, float]:
+    """Train the model folder ``out`` in place on calc traces; save it; the held-out measure."""
+    import torch
+
+    torch.manual_seed(seed)
+    model, tokenizer = load(out)
+    codec = ChatCodec(tokenizer)
+    rows = generate("calc", min(steps * batch_size, 8192), seed=seed, split="train")
+    pick = random.Random(seed)
+    traces = [calc_trace(codec, r, seed + i, pick.random() < tool_share) for i, r in enumerate(rows)]
+    loss = train_traces(model, traces, tokenizer.pad_token_id, steps, seed, lr, batch_size)
+    model.save_pretrained(out, safe_serialization=True)
+    measured = heldout(model, codec, generate("calc", n_heldout, seed=seed, split="test"), seed)
+    return {"final_loss": loss, **measured}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from relayrl.common.modelkit.tiny import update_card, write_tiny_model
+
+    p = argparse.ArgumentParser(prog="python -m relayrl.warmstart", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="model folder to write (created)")
+    p.add_argument("--task", choices=TASKS, default="calc")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights, tokenizer corpus and SFT data")
+    p.add_argument("--sft-steps", type=int, default=300)
+    p.add_argument("--sft-lr", type=float, default=1e-3)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--tool-share", type=float, default=0.5, help="share of traces on the tool branch")
+    p.add_argument("--heldout", type=int, default=64, help="held-out episodes played after SFT")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    t0 = time.monotonic()
+    out = write_tiny_model(args.out, seed=args.seed, tools=True, extra_corpus=calc_corpus(args.seed))
+    res = warm_start_calc(
+        out, args.seed, args.sft_steps, args.sft_lr, args.batch_size, args.tool_share, args.heldout
+    )
+    update_card(
+        out,
+        sft_task=args.task,
+        sft_steps=args.sft_steps,
+        sft_tool_share=args.tool_share,
+        sft_final_loss=res["final_loss"],
+        sft_heldout_exact=res["accuracy"],
+        sft_heldout=res,
+    )
+    print(
+        f"warm-started on {args.task} episodes: {args.sft_steps} steps, loss {res['final_loss']:.4f}; held-out "
+        f"greedy: {res['tool_calls_per_episode']:.2f} tool calls per episode, accuracy {res['accuracy']:.3f} "
+        f"(with a tool {res['accuracy_with_tool']:.3f}, without {res['accuracy_without_tool']:.3f}; "
+        f"n={res['n']}) ({time.monotonic() - t0:.1f}s)",
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

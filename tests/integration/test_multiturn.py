@@ -120,3 +120,15 @@ def test_tool_parsing_turned_off_trips_the_zero_tool_alarm_within_three_steps(wo
     assert res.returncode != 0
     assert "saw none in 3 training steps" in res.stdout + res.stderr, res.stdout[-2000:] + res.stderr[-2000:]
     assert len(_steps(_run_dir(root, "turns-alarm"))) == 2  # the third step's rollout raised it
+
+
+def test_stepwise_turns_render_every_call_whole_and_train_each(workspace):
+    """``episodes.turns: stepwise`` on the real generator: every later call's prompt is the whole
+    dialogue rendered again (the model's turns as assistant messages), and each call trains."""
+    root, exp = workspace
+    sets = _sets("name=turns-stepwise", "episodes.turns=stepwise", "algorithm.advantage=grpo")
+    res = _relayrl("run", str(exp), *sets, cwd=root)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    steps = _steps(_run_dir(root, "turns-stepwise"))
+    assert len(steps) == 3
+    assert all(r["turns_per_episode"] > 1 and r["env_masked"] == 0 and r["groups"] == 4 for r in steps)

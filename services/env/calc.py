@@ -6,7 +6,7 @@ Task rows: ``{"prompt": [{"role": "user", "content": "What is 123 * 456?"}], "re
 call (the result, or "error: ..."); a turn without calls is the final answer and ends the
 episode, as does the 4th turn. Reward at Close: 1.0 when the last number in the final answer
 equals the ground truth, else 0.0 (no final answer, or one cut at its token budget, is 0.0);
-components ``correct``, ``tool_calls``, ``turns``.
+components ``correctness``, ``tool_calls``, ``turns``.
 
 The tool never runs ``eval``: ``evaluate`` walks the ``ast`` of the expression and allows only
 numbers, ``+ - * / // % **``, unary minus and plus, and parentheses, with bounded size.
@@ -162,5 +162,5 @@ class CalcEnv(ToolEnv):
         given = last_number(t.final_text) if t.final_text is not None else None
         correct = float(given is not None and given == self.answer_key)
         return Reward(
-            correct, {"correct": correct, "tool_calls": float(t.tool_calls), "turns": float(t.turns)}
+            correct, {"correctness": correct, "tool_calls": float(t.tool_calls), "turns": float(t.turns)}
         )

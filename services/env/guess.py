@@ -5,7 +5,7 @@ the seed and the task (the same seed and task give the same number on any replic
 writes ``<guess>N</guess>`` (the last such tag of a turn counts); the env answers with a "user"
 message: "higher" (the number is higher), "lower" or, for a turn without a guess, "error: write
 <guess>N</guess>". A right guess ends the episode. Reward: 1 - 0.1 * (turns - 1) when found,
-else 0; components ``correct`` and ``turns``. No tools: calls are answered UNKNOWN_TOOL.
+else 0; components ``correctness`` and ``turns``. No tools: calls are answered UNKNOWN_TOOL.
 """
 
 from __future__ import annotations
@@ -72,4 +72,4 @@ class GuessEnv(Env):
 
     def reward(self) -> Reward:
         r = max(0.0, 1.0 - 0.1 * (self.turns - 1)) if self.found else 0.0
-        return Reward(r, {"correct": float(self.found), "turns": float(self.turns)})
+        return Reward(r, {"correctness": float(self.found), "turns": float(self.turns)})

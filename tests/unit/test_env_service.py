@@ -138,7 +138,7 @@ async def test_calc_episode_with_a_tool_call_is_rewarded(svc):
     assert s2.done and not s2.observations and not s2.tool_results
     out = await close(svc, r.session_id)
     assert out.outcome == e.OUTCOME_OK and out.reward == 1.0
-    assert dict(out.components) == {"correct": 1.0, "tool_calls": 1.0, "turns": 2.0}
+    assert dict(out.components) == {"correctness": 1.0, "tool_calls": 1.0, "turns": 2.0}
     assert counted("relayrl_env_tool_calls_total", {"env": "calc", "status": "ok"}) == before + 1
 
 
@@ -216,7 +216,7 @@ async def test_guess_episode(svc):
     done = await step(svc, r.session_id, 4, "<guess>10</guess> no, <guess>42</guess>")
     assert done.done and not done.observations
     out = await close(svc, r.session_id)
-    assert out.reward == pytest.approx(0.6) and dict(out.components) == {"correct": 1.0, "turns": 5.0}
+    assert out.reward == pytest.approx(0.6) and dict(out.components) == {"correctness": 1.0, "turns": 5.0}
 
 
 async def test_guess_number_follows_seed_and_task():

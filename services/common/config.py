@@ -32,6 +32,22 @@ class StrictModel(BaseModel):
     )
 
 
+def plugin_refs(refs: list[str], what: str) -> list[str]:
+    """``refs`` if each is ``module:<what>`` (a plugin to import), else ValueError naming it.
+
+    >>> plugin_refs(["pkg.mod:score"], "function")
+    ['pkg.mod:score']
+    >>> plugin_refs(["pkg.mod"], "Class")
+    Traceback (most recent call last):
+    ValueError: plugin 'pkg.mod' must look like module:Class
+    """
+    for ref in refs:
+        mod, sep, name = ref.partition(":")
+        if not sep or not mod or not name:
+            raise ValueError(f"plugin {ref!r} must look like module:{what}")
+    return refs
+
+
 def _format_loc(loc: Iterable[Any]) -> str:
     """``("data", "test", 0)`` -> ``data.test[0]``."""
     out = ""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pydantic import Field, field_validator
-from relayrl.common.config import StrictModel
+from relayrl.common.config import StrictModel, plugin_refs
 from relayrl.common.serving import ServeConfig
 
 
@@ -36,8 +36,4 @@ class RewardConfig(StrictModel):
     @field_validator("plugins")
     @classmethod
     def _plugin_refs(cls, v: list[str]) -> list[str]:
-        for ref in v:
-            mod, sep, fn = ref.partition(":")
-            if not sep or not mod or not fn:
-                raise ValueError(f"plugin {ref!r} must look like module:function")
-        return v
+        return plugin_refs(v, "function")

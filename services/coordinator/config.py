@@ -138,6 +138,10 @@ class EpisodesSection(StrictModel):
     max_episode_tokens: int = Field(1024, ge=1, le=1_000_000)
     """Most tokens after the first prompt (the model's and the environment's): an episode that
     reaches it ends truncated, scored as the environment scores an unfinished episode."""
+    concurrency: int = Field(256, ge=1, le=65536)
+    """Most episodes under way at once (each holds an env session and at most one Generate call):
+    within the generators' ``max_pending_requests`` and the env replicas' ``max_sessions``
+    together. The rest of a step's episodes wait their turn."""
     max_attempts: int = Field(3, ge=1, le=100)
     """How many times an episode whose environment failed (a replica died, the session was lost,
     the environment said REDO) is run; after that it is masked: never trained on, never part of

@@ -171,18 +171,18 @@ class MultiTurn:
         if self.info is None:
             await self.prepare()
         n = self.cfg.schedule.eval_samples if evaluation else self.cfg.sampling.n
+        slots = asyncio.Semaphore(self.ep.concurrency)
+
+        async def one(pid: str, i: int, row: dict) -> Episode:
+            async with slots:  # wait: bounded by the episodes before it, each under deadlines
+                return await self.episode(pid, i, row, evaluation, tag, min_version)
+
         t0 = time.monotonic()
         # A TaskGroup: when one episode fails the run (a prefix violation, a bad request), the
         # others are cancelled, not left generating.
         try:
             async with asyncio.TaskGroup() as tg:
-                tasks = [
-                    [
-                        tg.create_task(self.episode(pid, i, row, evaluation, tag, min_version))
-                        for i in range(n)
-                    ]
-                    for pid, row in batch
-                ]
+                tasks = [[tg.create_task(one(pid, i, row)) for i in range(n)] for pid, row in batch]
         except BaseExceptionGroup as failed:  # the run fails on the first, as with one task
             raise failed.exceptions[0] from None
         episodes = [[t.result() for t in ts] for ts in tasks]

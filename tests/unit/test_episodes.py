@@ -261,3 +261,22 @@ def test_stepwise_refuses_token_level_advantages():
     cfg.algorithm = AlgorithmSection(advantage="reinforce_pp")
     with pytest.raises(ValueError, match="episodes.turns: stepwise"):
         TokenFamily.check(cfg)
+
+
+def test_episodes_under_way_are_bounded():
+    """``episodes.concurrency``: never more episodes (env sessions, Generate calls) at once."""
+
+    class Counting(Env):
+        def __init__(self):
+            super().__init__()
+            self.most = 0
+
+        async def reset(self, req):
+            out = await super().reset(req)
+            self.most = max(self.most, len(self.open))
+            await asyncio.sleep(0.01)  # let the others start, were they allowed to
+            return out
+
+    env = Counting()
+    ro = _run(MultiTurn(_cfg(n=4, concurrency=3), Gen(), env), batch=[(f"p{k}", {}) for k in range(3)])
+    assert len(ro.groups) == 3 and env.most == 3 and not env.open

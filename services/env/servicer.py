@@ -116,7 +116,7 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
     async def _counted(self, rpc: str, work):
         code = "OK"
         try:
-            return await work
+            return await work  # wait: the session table bounds env code by _limit (within the deadline)
         except BaseException as e:
             code = _code(e)
             raise

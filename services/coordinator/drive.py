@@ -100,7 +100,11 @@ async def drive(
         if cfg.episodes is not None
         else None
     )
-    rollouts = SingleTurn(cfg, gens, rewards) if envs is None else MultiTurn(cfg, gens, envs)
+    rollouts = (
+        SingleTurn(cfg, gens, rewards)
+        if envs is None
+        else MultiTurn(cfg, gens, envs, None if resume else run_dir / "episodes" / "first.jsonl")
+    )
     exp = Experiment(
         cfg, run_dir, train_rows, test_rows, gens, rollouts, learner, algorithm, record, weights_lock
     )

@@ -31,14 +31,14 @@ import hashlib
 import json
 import logging
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from pathlib import Path
 
 from relayrl.common.v1 import common_pb2
 from relayrl.coordinator.batch import Rollout
 from relayrl.coordinator.clients import GeneratorPool, version_of
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.envs import EnvPool, EpisodeLost
+from relayrl.coordinator.episode_records import Episode, episode_stats, write_trace
 from relayrl.coordinator.errors import RunFailure
 from relayrl.coordinator.trajectories import assemble, check_prefix, segments_sample
 from relayrl.env.v1 import env_pb2 as ev
@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 MAX_TASK_BYTES = 1 << 20
 """Largest data row sent to the env service as a task (ResetRequest.task_json's bound)."""
+TRACED_EPISODES = 2
+"""Episodes of the first training rollout written to the run folder (``write_trace``)."""
 TEMPLATE_TOKENS_PER_MESSAGE = 64
 """Tokens a chat template adds around one appended message, at most (role headers, tool-answer
 tags, the generation prompt): with one token per byte of content at most (byte-level BPE), the
@@ -73,29 +75,16 @@ def env_seed(seed: int, episode_id: str) -> int:
     )
 
 
-@dataclass
-class Episode:
-    """One episode's sample, loss mask, reward result and counts."""
-
-    sample: common_pb2.Sample
-    mask: list[float]
-    result: rw.RewardResult
-    turns: int = 0
-    tool_calls: int = 0  # parsed and sent to the env
-    parse_failures: int = 0
-    tool_statuses: Counter = field(default_factory=Counter)
-    truncated: bool = False
-    redone: int = 0
-    masked: bool = False
-    segments: list[common_pb2.Sample] | None = None  # stepwise: one learner sample per call
-    version_spread: int = 0  # newest minus oldest policy version among its turns
-
-
 class MultiTurn:
     """Episodes of ``cfg.episodes.env`` on the env service, sampled on the generators."""
 
-    def __init__(self, cfg: ExperimentConfig, generators: GeneratorPool, envs: EnvPool):
+    def __init__(
+        self, cfg: ExperimentConfig, generators: GeneratorPool, envs: EnvPool, trace: Path | None = None
+    ):
+        """``trace``: where the first training rollout's first episodes are written, turn by
+        turn (``write_trace``), for a person to read what the model saw and did."""
         assert cfg.episodes is not None
+        self.trace = trace
         self.cfg = cfg
         self.ep = cfg.episodes
         self.gen = generators
@@ -197,6 +186,9 @@ class MultiTurn:
         stats = episode_stats(flat)
         if not evaluation:
             stats.update(self._alarm(flat))
+            if self.trace is not None:
+                await asyncio.to_thread(write_trace, self.trace, flat[:TRACED_EPISODES])
+                self.trace = None
         tokens = sum(int(sum(e.mask)) for e in flat)
         seconds = {"generate": t1 - t0, "score": 0.0}
         return Rollout(groups, seconds, tokens, [pid for pid, _ in batch], masks, stats, segments)
@@ -333,6 +325,7 @@ class MultiTurn:
             calls = list(s.tool_calls)
             counts.tool_calls += sum(c.parse == common_pb2.TOOL_CALL_PARSE_OK for c in calls)
             counts.parse_failures += sum(c.parse != common_pb2.TOOL_CALL_PARSE_OK for c in calls)
+            counts.calls.append(s)
             step = await self.envs.step(
                 rep,
                 ev.StepRequest(
@@ -343,6 +336,7 @@ class MultiTurn:
                 ),
             )
             counts.tool_statuses.update(ev.ToolStatus.Name(r.status) for r in step.tool_results)
+            counts.answers.append(list(step.observations))
             if step.done or s.finish_reason != common_pb2.FINISH_REASON_STOP or k + 1 == limit:
                 counts.truncated = not step.done
                 break
@@ -382,33 +376,3 @@ class MultiTurn:
         versions = [version_of(t) for t in turns] + [t.policy_version for t in turns]
         counts.version_spread = max(versions) - min(versions)
         return counts
-
-
-def episode_stats(episodes: list[Episode]) -> dict[str, float]:
-    """A rollout's episode metrics (``metrics.jsonl``): tool use, turns, failures.
-
-    >>> e = Episode(common_pb2.Sample(), [1.0], rw.RewardResult(), turns=2, tool_calls=1)
-    >>> s = episode_stats([e, Episode(common_pb2.Sample(), [1.0], rw.RewardResult(), turns=1)])
-    >>> s["tool_calls_per_episode"], s["turns_per_episode"], s["episodes_without_tool_call"]
-    (0.5, 1.5, 1)
-    """
-    ran = [e for e in episodes if e.turns]
-    n = max(1, len(ran))
-    statuses: Counter = Counter()
-    for e in ran:
-        statuses.update(e.tool_statuses)
-    out = {
-        "tool_calls_per_episode": sum(e.tool_calls for e in ran) / n,
-        "turns_per_episode": sum(e.turns for e in ran) / n,
-        "episodes_without_tool_call": sum(e.tool_calls == 0 for e in ran),
-        "tool_parse_failures": sum(e.parse_failures for e in ran),
-        "tool_errors": sum(v for k, v in statuses.items() if k != "TOOL_STATUS_OK"),
-        "episodes_truncated": sum(e.truncated for e in ran),
-        "env_redo": sum(e.redone for e in episodes),
-        "env_masked": sum(e.masked for e in episodes),
-        "episode_version_spread_max": max((e.version_spread for e in ran), default=0),
-    }
-    out.update(
-        {f"tool_status_{k.removeprefix('TOOL_STATUS_').lower()}": v for k, v in sorted(statuses.items())}
-    )
-    return out

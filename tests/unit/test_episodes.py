@@ -280,3 +280,19 @@ def test_episodes_under_way_are_bounded():
     env = Counting()
     ro = _run(MultiTurn(_cfg(n=4, concurrency=3), Gen(), env), batch=[(f"p{k}", {}) for k in range(3)])
     assert len(ro.groups) == 3 and env.most == 3 and not env.open
+
+
+def test_the_first_training_rollout_leaves_a_trace_of_two_episodes(tmp_path):
+    path = tmp_path / "episodes" / "first.jsonl"
+    source = MultiTurn(_cfg(n=2), Gen(), Env(), trace=path)
+    _run(source, evaluation=True)
+    assert not path.exists()  # evaluations are not traced
+    _run(source)
+    _run(source)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(lines) == 2
+    first = lines[0]
+    assert [t["call"]["promptId"] for t in first["turns"]] == ["p0/0/t0", "p0/0/t1"]
+    assert first["turns"][0]["answer"][0]["content"] == "42" and first["turns"][1]["answer"] == []
+    assert first["sample"]["completionTokenIds"] == [10, 11, STOP, *BRIDGE, 12, STOP]
+    assert first["loss_mask"] == [1, 1, 1, 0, 0, 1, 1] and first["result"]["reward"] == 1.0

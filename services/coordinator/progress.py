@@ -66,8 +66,16 @@ def plot(run_dir: Path, records: list[dict], eval_label: str = "held-out greedy 
             "o-",
             label=eval_label,
         )
+    tools = [r for r in steps if "tool_calls_per_episode" in r]  # episodes with tools
+    if tools:
+        ax.plot(
+            [r["step"] for r in tools],
+            [r["tool_calls_per_episode"] for r in tools],
+            "--",
+            label="tool calls per episode (train)",
+        )
     ax.set_xlabel("step")
-    ax.set_ylim(-0.05, 1.05)
+    ax.set_ylim(-0.05, max([1.05] + [r["tool_calls_per_episode"] + 0.05 for r in tools]))
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title(run_dir.name)

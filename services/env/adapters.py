@@ -14,7 +14,7 @@ import inspect
 import math
 from typing import Any, ClassVar
 
-from relayrl.env.base import Action, Env, Reward, StepAnswer, prompt_messages
+from relayrl.env.base import Action, Env, Reward, StepAnswer, ToolStatus, prompt_messages
 from relayrl.env.tools import function_schema, run_tools, settle_threads
 
 RESERVED = ("reset", "get_reward")
@@ -57,7 +57,8 @@ class TrlEnv(Env):
         functions = {name: getattr(self.inner, name) for name in self.tool_names}
         messages, results = run_tools(action.tool_calls, functions, self.limits, self.deadline, self.strays)
         self.tool_calls += len(results)
-        return messages, bool(self.strays), results
+        self.tool_timed_out |= any(r.status == ToolStatus.TIMEOUT for r in results)
+        return messages, self.tool_timed_out, results
 
     def reward(self) -> Reward:
         value = self.inner.get_reward()

@@ -131,6 +131,9 @@ class Env:
     """Set by the service on each instance."""
     deadline: float | None = None
     """``time.monotonic()`` by which the current step must be answered; set before each step."""
+    tool_timed_out: bool = False
+    """Set when a tool call ran past its limit: the episode ended without the model seeing the
+    answer, so it says nothing about the policy and Close masks it (never a reward)."""
 
     def reset(self, task: dict, seed: int) -> list[dict]:
         raise NotImplementedError

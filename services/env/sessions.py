@@ -364,6 +364,9 @@ class SessionTable:
             if not await self._run(lambda: s.env.settle(limit), limit + 1.0):
                 reason = "a tool call was still running at Close"
                 return Reward(0.0, {}, Outcome.MASK, "tool_timeout", reason)
+            if s.env.tool_timed_out:  # the episode ended on a late tool: no evidence either way
+                reason = "a tool call ran past tool_timeout_seconds; the model never saw its answer"
+                return Reward(0.0, {}, Outcome.MASK, "tool_timeout", reason)
             return check_reward(await self._run(s.env.reward, limit))
         except _Overran:
             self._failed(s, "env_timeout", "reward", f"reward ran past its time limit ({limit:.3g}s)")
@@ -375,8 +378,11 @@ class SessionTable:
         s.gone, s.ended_at = why, time.monotonic()
         self.live.pop(s.id, None)
         self.ended[s.id] = s
-        if why != "closed":  # a Reset of its (episode, attempt) opens a new session
-            self.by_key.pop(s.key, None)
+        # A Reset of its (episode, attempt) now opens a new session: a retried Reset only ever
+        # races a live one, and a caller that reuses ids after Close (an evaluation repeated)
+        # must get a fresh episode, never the closed one.
+        if self.by_key.get(s.key) is s:
+            del self.by_key[s.key]
         metrics.SESSIONS_OPEN.set(len(self.live))
 
     async def _free(self, s: Session) -> None:

@@ -300,7 +300,8 @@ class ToolEnv(Env):
         )
         t.tool_calls += len(results)
         t.statuses += [r.status for r in results]
-        return messages, any(r.status == ToolStatus.TIMEOUT for r in results), results
+        self.tool_timed_out |= any(r.status == ToolStatus.TIMEOUT for r in results)
+        return messages, self.tool_timed_out, results
 
     def answer(self, action: Action) -> StepAnswer:
         """A turn without tool calls: the final answer (unless cut at its token budget), done."""

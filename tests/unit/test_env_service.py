@@ -301,8 +301,10 @@ async def test_a_tool_past_its_time_limit_is_timeout_and_ends_the_episode(svc):
     assert [x.status for x in resp.tool_results] == [ST.TOOL_STATUS_TIMEOUT, ST.TOOL_STATUS_TIMEOUT]
     assert resp.done and not resp.observations  # nothing more runs beside the call left running
     assert "after-nap" not in env_plugins.RUNS
-    out = await close(svc, r.session_id)  # waits for the nap to end, then scores
-    assert out.outcome == e.OUTCOME_OK and env_plugins.RUNS["nap"] == naps + 1
+    out = await close(svc, r.session_id)  # waits for the nap to end: the episode is still masked
+    assert env_plugins.RUNS["nap"] == naps + 1
+    # the model never saw the late answer: no evidence about the policy, never a reward of 0
+    assert out.outcome == e.OUTCOME_MASK and out.failure_kind == "tool_timeout" and out.reward == 0.0
 
 
 # ---- env failures are never a reward -------------------------------------------------------
@@ -363,7 +365,11 @@ async def test_a_retried_reset_is_the_same_session_and_close_is_idempotent(svc):
     assert await close(svc, first.session_id) == closed and closed.reward == 1.0
     err = await error_of(step(svc, first.session_id, 1, "x"))
     assert err.code() == grpc.StatusCode.NOT_FOUND and "closed" in err.details()
-    assert (await svc.stub.ListEnvs(e.ListEnvsRequest())).open_sessions == 1
+    # the same ids after Close (an evaluation run again): a new episode, never the closed one
+    fresh = await reset(svc, episode_id="same", attempt=0)
+    assert fresh.session_id != first.session_id
+    assert (await step(svc, fresh.session_id, 0, "56088")).done
+    assert (await svc.stub.ListEnvs(e.ListEnvsRequest())).open_sessions == 2  # attempt 1's and this
 
 
 async def test_max_sessions_is_resource_exhausted():

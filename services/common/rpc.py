@@ -76,6 +76,12 @@ class DeadlineExceeded(ServiceError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class OutOfRange(ServiceError):
+    """A value past the end of what the service holds (e.g. a prompt that fills the context)."""
+
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
 class ResourceExhausted(ServiceError):
     """Too much queued already."""
 

@@ -185,28 +185,19 @@ class GeneratorPool(Rotation):
             attempt += 1
         return {pid: [s[i] for i in sorted(s)] for pid, s in done.items()}
 
-    async def check_chat(self, tools_json: str, tool_format: str) -> tuple[g.CheckChatResponse, int]:
+    async def check_chat(self, tools_json: str, tool_format: str) -> g.CheckChatResponse:
         """What a replica's chat template does with these tools and with turns appended
-        (GeneratorService.CheckChat), and its context length. Every replica serves the same model
-        folder, so one answers for all."""
+        (GeneratorService.CheckChat). Every replica serves the same model folder, so one answers
+        for all."""
         rep = (await self.available())[0]
-        stub = gg.GeneratorServiceStub(rep.channel)
-        where = f"generator {rep.name} ({rep.address})"
         try:
-            check = await stub.CheckChat(
+            return await gg.GeneratorServiceStub(rep.channel).CheckChat(
                 g.CheckChatRequest(tools_json=tools_json, tool_format=tool_format),
                 timeout=self.deadline_s,
                 metadata=logcontext.current(),
             )
         except grpc.aio.AioRpcError as e:
-            raise ServiceRpcError(e, where, "CheckChat") from None
-        try:
-            status = await stub.GetStatus(
-                g.GetStatusRequest(), timeout=self.deadline_s, metadata=logcontext.current()
-            )
-        except grpc.aio.AioRpcError as e:
-            raise ServiceRpcError(e, where, "GetStatus") from None
-        return check, status.max_model_len
+            raise ServiceRpcError(e, f"generator {rep.name} ({rep.address})", "CheckChat") from None
 
     async def _call(
         self, rep: Replica, share: list, sampling: g.SamplingParams, rid: str, min_version: int

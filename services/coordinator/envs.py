@@ -5,8 +5,9 @@ Which failures mean what: a replica that cannot be reached is taken out of rotat
 episode whose session it held is lost (``EpisodeLost``): the episode runner runs it again on
 another replica, never scores it. An internal error (the env's own code raised on this episode)
 loses the episode the same way but leaves the replica in rotation. A session the replica no longer
-knows (NOT_FOUND: it restarted, or the lease expired) is lost the same way. A replica that is
-full (RESOURCE_EXHAUSTED) is asked again after a short wait, up to the call's deadline. Any
+knows (NOT_FOUND: it restarted, or the lease expired) is lost the same way. A Reset that finds
+its replica full (RESOURCE_EXHAUSTED: ``max_sessions``) goes to the next replica, and waits for
+room when all are full, within the deadline. Any
 other error (INVALID_ARGUMENT for an unknown env or a bad task, FAILED_PRECONDITION for a step
 out of order) is a bug or a misconfiguration that every replica would answer the same way: the
 run stops on it (``ServiceRpcError``), naming the replica and the call."""
@@ -28,6 +29,10 @@ from relayrl.env.v1 import env_pb2_grpc as evg
 
 FULL_RETRY_S = 0.2
 """Wait before asking a full replica (RESOURCE_EXHAUSTED) again."""
+
+
+class Full(Exception):
+    """An env replica answered RESOURCE_EXHAUSTED to a Reset: it holds ``max_sessions``."""
 
 
 class EpisodeLost(Exception):
@@ -74,9 +79,21 @@ class EnvPool(Rotation):
         return infos[0]
 
     async def reset(self, req: ev.ResetRequest) -> tuple[Replica, ev.ResetResponse]:
-        """Open the episode's session on the replica its id hashes to among those in rotation."""
-        rep = rendezvous(req.episode_id, await self.available())
-        return rep, await self._call(rep, "Reset", req)
+        """Open the episode's session on the replica its id hashes to among those in rotation;
+        one that is full (``max_sessions``) passes it to the next in hash order; when all are,
+        it waits and tries again within the deadline, then the episode is lost (redone later)."""
+        until = time.monotonic() + self.deadline_s
+        while True:
+            reps = await self.available()
+            while reps:
+                rep = rendezvous(req.episode_id, reps)
+                try:
+                    return rep, await self._call(rep, "Reset", req)
+                except Full:
+                    reps = [r for r in reps if r is not rep]
+            if time.monotonic() + FULL_RETRY_S >= until:
+                raise EpisodeLost(f"every env replica stayed full (max_sessions) for {self.deadline_s:g}s")
+            await asyncio.sleep(FULL_RETRY_S)
 
     async def step(self, rep: Replica, req: ev.StepRequest) -> ev.StepResponse:
         return await self._call(rep, "Step", req)
@@ -85,27 +102,22 @@ class EnvPool(Rotation):
         return await self._call(rep, "Close", req)
 
     async def _call(self, rep: Replica, rpc: str, req):
-        stub = evg.EnvServiceStub(rep.channel)
-        until = time.monotonic() + self.deadline_s
-        while True:
-            left = until - time.monotonic()
-            try:
-                return await getattr(stub, rpc)(req, timeout=max(0.01, left), metadata=logcontext.current())
-            except grpc.aio.AioRpcError as e:
-                code = e.code()
-                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and left > FULL_RETRY_S:
-                    await asyncio.sleep(FULL_RETRY_S)
-                    continue
-                if code in DOWN_CODES:
-                    # INTERNAL is the env's own code failing on this episode (a plugin raised):
-                    # the episode is redone, the replica keeps serving the others.
-                    if code not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
-                        self.mark_down(rep, f"{code.name}: {(e.details() or '')[:300]}")
-                    raise EpisodeLost(
-                        f"env {rep.name}: {rpc} {code.name}: {(e.details() or '')[:300]}"
-                    ) from None
-                if code == grpc.StatusCode.NOT_FOUND and rpc in ("Step", "Close"):
-                    raise EpisodeLost(
-                        f"env {rep.name}: {rpc}: session lost ({(e.details() or '')[:300]})"
-                    ) from None
-                raise ServiceRpcError(e, f"env {rep.name} ({rep.address})", rpc) from None
+        """One call under the deadline; its failures mapped to what becomes of the episode."""
+        try:
+            stub = evg.EnvServiceStub(rep.channel)
+            return await getattr(stub, rpc)(req, timeout=self.deadline_s, metadata=logcontext.current())
+        except grpc.aio.AioRpcError as e:
+            code, why = e.code(), (e.details() or "")[:300]
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED and rpc == "Reset":
+                raise Full(rep.name) from None
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # an answer too large: the session is stuck
+                raise EpisodeLost(f"env {rep.name}: {rpc} RESOURCE_EXHAUSTED: {why}") from None
+            if code in DOWN_CODES:
+                # INTERNAL is the env's own code failing on this episode (a plugin raised): the
+                # episode is redone, the replica keeps serving the others.
+                if code not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+                    self.mark_down(rep, f"{code.name}: {why}")
+                raise EpisodeLost(f"env {rep.name}: {rpc} {code.name}: {why}") from None
+            if code == grpc.StatusCode.NOT_FOUND and rpc in ("Step", "Close"):
+                raise EpisodeLost(f"env {rep.name}: {rpc}: session lost ({why})") from None
+            raise ServiceRpcError(e, f"env {rep.name} ({rep.address})", rpc) from None

@@ -30,12 +30,14 @@ import asyncio
 import hashlib
 import json
 import logging
+import secrets
 import time
 from pathlib import Path
 
+import grpc
 from relayrl.common.v1 import common_pb2
 from relayrl.coordinator.batch import Rollout
-from relayrl.coordinator.clients import GeneratorPool, version_of
+from relayrl.coordinator.clients import GeneratorPool
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.envs import EnvPool, EpisodeLost
 from relayrl.coordinator.episode_records import Episode, episode_stats, write_trace
@@ -91,8 +93,8 @@ class MultiTurn:
         self.envs = envs
         self.info: ev.EnvInfo | None = None
         self.stop_ids: list[int] = []
-        self.max_model_len = 0
         self.quiet_steps = 0  # training rollouts in a row without a tool call
+        self.nonce = secrets.token_hex(4)  # this process's episodes, apart from any earlier one's
 
     async def prepare(self) -> None:
         """Check, before the first step, that the generators' chat template can run the env's
@@ -103,7 +105,7 @@ class MultiTurn:
             raise ChatTemplateUnfit(str(e)) from None
         tools = json.loads(self.info.tools_json or "[]")
         fmt = self.ep.tool_format
-        check, self.max_model_len = await self.gen.check_chat(self.info.tools_json if tools else "", fmt)
+        check = await self.gen.check_chat(self.info.tools_json if tools else "", fmt)
         if check.tools_missing_from_prompt:
             raise ChatTemplateUnfit(
                 f"the chat template leaves the tools {list(check.tools_missing_from_prompt)[:8]} of env "
@@ -152,6 +154,7 @@ class MultiTurn:
             top_k=s.top_k,
             seed=self.cfg.seed if s.seeded else None,
             tool_format=self.ep.tool_format,
+            fit_to_context=True,
         )
 
     async def rollout(
@@ -265,7 +268,9 @@ class MultiTurn:
                 env=self.ep.env,
                 task_json=task,
                 seed=env_seed(self.cfg.seed, eid),
-                episode_id=eid,
+                # Unique to this rollout of this coordinator process: a retried Reset finds its
+                # session, while an evaluation run again or a resumed run never reaches an old one.
+                episode_id=f"{self.nonce}/{tag}/{eid}",
                 attempt=attempt,
             )
         )
@@ -274,14 +279,14 @@ class MultiTurn:
             close = await self.envs.close_session(
                 rep, ev.CloseRequest(request_id=tag, session_id=reset.session_id)
             )
-        except EpisodeLost:
-            raise
         except BaseException:
-            # The run is failing or cancelled: free the session now rather than at its lease's end.
-            closing = asyncio.ensure_future(
-                self.envs.close_session(rep, ev.CloseRequest(request_id=tag, session_id=reset.session_id))
-            )
-            closing.add_done_callback(lambda f: f.cancelled() or f.exception())
+            # The episode is lost, the run failing or cancelled: free its session now rather than
+            # at its lease's end, unless its replica is gone (nothing to free there).
+            if rep.healthy:
+                closing = asyncio.ensure_future(
+                    self.envs.close_session(rep, ev.CloseRequest(request_id=tag, session_id=reset.session_id))
+                )
+                closing.add_done_callback(lambda f: f.cancelled() or f.exception())
             raise
         if close.outcome == ev.OUTCOME_REDO:
             raise EpisodeLost(f"env said REDO: {close.failure_kind}: {close.failure_reason[:300]}")
@@ -310,15 +315,23 @@ class MultiTurn:
         )
         turns: list[common_pb2.Sample] = []
         prefix: list[int] = []
-        room = self.cfg.sampling.max_tokens
+        room = min(self.cfg.sampling.max_tokens, self.ep.max_episode_tokens)
         stepwise = self.ep.turns == "stepwise"
         history = list(reset.messages)  # stepwise: the dialogue, rendered whole for every call
         counts = Episode(common_pb2.Sample(), [], rw.RewardResult())
         for k in range(limit):
-            got = await self.gen.generate(
-                [prompt], self._sampling(evaluation, room), f"{tag}-{eid}-t{k}", min_version, affinity=eid
-            )
+            try:
+                got = await self.gen.generate(
+                    [prompt], self._sampling(evaluation, room), f"{tag}-{eid}-t{k}", min_version, affinity=eid
+                )
+            except grpc.aio.AioRpcError as e:
+                if k and e.code() == grpc.StatusCode.OUT_OF_RANGE:  # the context is full: ends here
+                    counts.truncated = True
+                    break
+                raise
             s = got[prompt.prompt_id][0]
+            if s.finish_reason == common_pb2.FINISH_REASON_ABORT:  # the generator gave it up
+                raise EpisodeLost(f"generator {s.replica_id}: turn {k} of {eid} was aborted")
             if k and not stepwise:
                 check_prefix(prefix, s, f"episode {eid} turn {k}")
             turns.append(s)
@@ -332,12 +345,17 @@ class MultiTurn:
                     request_id=tag,
                     session_id=reset.session_id,
                     step_index=k,
-                    action=ev.Action(text=s.text, tool_calls=calls, finish_reason=s.finish_reason),
+                    action=action(s, calls),
                 ),
             )
             counts.tool_statuses.update(ev.ToolStatus.Name(r.status) for r in step.tool_results)
             counts.answers.append(list(step.observations))
-            if step.done or s.finish_reason != common_pb2.FINISH_REASON_STOP or k + 1 == limit:
+            # A turn cut at its budget, or stopped on an end token that is not the template's end
+            # of turn (vLLM stops on every end token the model's config lists), cannot be
+            # extended token-exactly: the episode ends there.
+            ended = bool(s.completion_token_ids) and s.completion_token_ids[-1] in self.stop_ids
+            cut = s.finish_reason != common_pb2.FINISH_REASON_STOP or not (ended or stepwise)
+            if step.done or cut or k + 1 == limit:
                 counts.truncated = not step.done
                 break
             if not step.observations:
@@ -350,11 +368,9 @@ class MultiTurn:
                 + TEMPLATE_TOKENS_PER_MESSAGE
                 for m in step.observations
             )
-            room = min(
-                self.cfg.sampling.max_tokens,
-                self.ep.max_episode_tokens - used - env_bound,
-                self.max_model_len - len(prefix) - env_bound,
-            )
+            # The model's context bounds the turn exactly (the generator fits max_tokens to it);
+            # the episode's budget is checked here, with an upper estimate of the env's tokens.
+            room = min(self.cfg.sampling.max_tokens, self.ep.max_episode_tokens - used - env_bound)
             if room < 1:
                 counts.truncated = True
                 break
@@ -373,6 +389,35 @@ class MultiTurn:
         else:
             counts.sample, counts.mask = assemble(turns, pid, i)
         counts.turns = len(turns)
-        versions = [version_of(t) for t in turns] + [t.policy_version for t in turns]
+        versions = [v for t in turns for v in (t.policy_version, *(sp.version for sp in t.version_spans))]
         counts.version_spread = max(versions) - min(versions)
         return counts
+
+
+MAX_ACTION_TEXT = 256 << 10
+"""Most characters of a turn's text sent to the env (StepRequest's bound)."""
+MAX_ARGUMENTS = 64 << 10
+"""Largest tool call arguments sent to the env (StepRequest's bound)."""
+
+
+def action(s: common_pb2.Sample, calls: list[common_pb2.ToolCall]) -> ev.Action:
+    """The model's turn for the env, within the env service's bounds: a longer text is cut (the
+    env reads its end: the final answer), a call with larger arguments goes as a call that did
+    not parse, which the env answers with an error the model sees (the model wrote it).
+
+    >>> big = common_pb2.ToolCall(id="c", name="calc", arguments_json="{" + "1" * MAX_ARGUMENTS + "}", parse=1)
+    >>> a = action(common_pb2.Sample(text="x" * (MAX_ACTION_TEXT + 5)), [big])
+    >>> len(a.text), a.tool_calls[0].parse == common_pb2.TOOL_CALL_PARSE_INVALID_ARGUMENTS
+    (262144, True)
+    """
+    out = []
+    for c in calls:
+        if len(c.arguments_json) > MAX_ARGUMENTS:
+            c = common_pb2.ToolCall(
+                id=c.id,
+                name=c.name,
+                arguments_json=c.arguments_json[:1024],
+                parse=common_pb2.TOOL_CALL_PARSE_INVALID_ARGUMENTS,
+            )
+        out.append(c)
+    return ev.Action(text=s.text[-MAX_ACTION_TEXT:], tool_calls=out, finish_reason=s.finish_reason)

@@ -50,6 +50,7 @@ class SamplingSpec:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     tool_format: str = ""  # "" | "hermes" | "llama3_json": read tool calls out of completions
+    fit_to_context: bool = False  # max_tokens cut per prompt to the room its context leaves
 
 
 def prompt_seed(seed: int, prompt_id: str) -> int:

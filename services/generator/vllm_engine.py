@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from relayrl.common.placement import host_id
-from relayrl.common.rpc import FailedPrecondition, InvalidRequest, Unavailable
+from relayrl.common.rpc import FailedPrecondition, InvalidRequest, OutOfRange, Unavailable
 from relayrl.generator.bridge import ChatCodec
 from relayrl.generator.config import GeneratorConfig
 from relayrl.generator.continuation import Partial, SwapGate, straddling_stop
@@ -169,10 +169,13 @@ class VLLMEngine(WeightSwaps):
             raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         room = self.max_model_len - len(token_ids)
         if room < 1:
-            raise InvalidRequest(
+            # With fit_to_context the caller cannot know the length before the prompt is rendered
+            # (an episode's next turn): its own code, to end the episode there.
+            error = OutOfRange if spec.fit_to_context else InvalidRequest
+            raise error(
                 f"prompt has {len(token_ids)} tokens; the model takes at most {self.max_model_len - 1}"
             )
-        if spec.max_tokens > room:
+        if spec.max_tokens > room and not spec.fit_to_context:
             raise InvalidRequest(
                 f"max_tokens {spec.max_tokens} + prompt {len(token_ids)} tokens exceeds max_model_len {self.max_model_len}"
             )
@@ -191,7 +194,10 @@ class VLLMEngine(WeightSwaps):
 
     # -- generation ------------------------------------------------------------------------
     def _limit(self, spec: SamplingSpec, prompt_len: int) -> int:
-        return spec.max_tokens or (self.max_model_len - prompt_len)
+        room = self.max_model_len - prompt_len
+        return (
+            min(spec.max_tokens, room) if spec.max_tokens and spec.fit_to_context else spec.max_tokens or room
+        )
 
     def _vllm_params(self, spec: SamplingSpec, prompt: PromptIn, n: int, resumed: Partial | None = None):
         """vLLM's parameters for a request of ``n`` samples of ``prompt``; a continuation of

@@ -86,6 +86,7 @@ def sampling_from_proto(p: generator_pb2.SamplingParams) -> SamplingSpec:
         include_stop_str_in_output=p.include_stop_str_in_output,
         ignore_eos=p.ignore_eos,
         tool_format=tool_format,
+        fit_to_context=p.fit_to_context,
     )
 
 

@@ -136,3 +136,34 @@ def test_a_continuation_of_a_rendered_tool_call_equals_the_full_render(stub, cod
         list(stub.Generate(g.GenerateRequest(prompts=[c.Prompt(prompt_id="y", continuation=bad)],
                                              sampling=g.SamplingParams(n=1)), timeout=60))  # fmt: skip
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "end-of-turn" in err.value.details()
+
+
+def test_fit_to_context_cuts_max_tokens_and_a_full_context_is_out_of_range(stub, codec):
+    """``fit_to_context``: a prompt whose tokens plus max_tokens pass the context gets what room is
+    left (the same request without it is INVALID_ARGUMENT); one that fills the context is
+    OUT_OF_RANGE, the code an episode ends on."""
+    im_end = codec.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    near = codec.render([{"role": "user", "content": "7 " * 2000}])[: 1024 - 5] + [im_end]  # 4 left
+    sampling = g.SamplingParams(n=1, max_tokens=64, temperature=0.0, ignore_eos=True)
+    prompt = c.Prompt(prompt_id="near", token_ids=c.TokenIds(ids=near))
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.Generate(g.GenerateRequest(prompts=[prompt], sampling=sampling), timeout=120))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    sampling.fit_to_context = True
+    (s,) = [
+        x
+        for r in stub.Generate(g.GenerateRequest(prompts=[prompt], sampling=sampling), timeout=120)
+        for x in r.samples
+    ]
+    assert len(s.completion_token_ids) == 1024 - len(near) and s.finish_reason == c.FINISH_REASON_LENGTH
+    cont = c.Continuation(
+        prefix_token_ids=near, append=[c.ChatMessage(role="user", content="and now?")], tools_json=""
+    )
+    with pytest.raises(grpc.RpcError) as full:
+        list(
+            stub.Generate(
+                g.GenerateRequest(prompts=[c.Prompt(prompt_id="full", continuation=cont)], sampling=sampling),
+                timeout=120,
+            )
+        )
+    assert full.value.code() == grpc.StatusCode.OUT_OF_RANGE, full.value.details()

@@ -71,8 +71,40 @@ def test_episodes_train_on_the_generators_tokens_and_seeded_runs_repeat(workspac
         assert r["turns_per_episode"] > 1  # the bridge ran: later turns extend earlier ones
         assert r["logprob_abs_diff"] < 1e-3, r
         assert r["logprob_abs_diff_after_env"] < 1e-3, r
-    keys = ("reward_mean", "loss", "turns_per_episode", "tool_calls_per_episode", "gen_tokens", "train_tokens")
+    _check_trace(_run_dir(root, "turns-a") / "episodes" / "first.jsonl")
+    keys = (
+        "reward_mean",
+        "loss",
+        "turns_per_episode",
+        "tool_calls_per_episode",
+        "gen_tokens",
+        "train_tokens",
+    )
     assert [[r[k] for k in keys] for r in a] == [[r[k] for k in keys] for r in b]
+
+
+def _check_trace(path: Path) -> None:
+    """The learner sample of each traced episode is the generator's ids of every turn with the
+    bridge ids between them, exactly; the loss mask is 1 exactly on the generated ids."""
+    episodes = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(episodes) == 2
+    for ep in episodes:
+        calls = [t["call"] for t in ep["turns"]]
+        assert len(calls) > 1
+        ids = lambda c, k: [int(x) for x in c.get(k, [])]  # noqa: E731 (protobuf JSON: int lists)
+        completion, mask = [], []
+        for k, c in enumerate(calls):
+            prompt = ids(c, "promptTokenIds")
+            before = ids(calls[0], "promptTokenIds") + completion
+            if k:
+                assert prompt[: len(before)] == before  # the exact tokens so far, then the bridge
+                assert len(prompt) > len(before)
+            bridge = prompt[len(before) :]
+            completion += bridge + ids(c, "completionTokenIds")
+            mask += [0.0] * len(bridge) + [1.0] * len(ids(c, "completionTokenIds"))
+        assert ids(ep["sample"], "completionTokenIds") == completion
+        assert ids(ep["sample"], "promptTokenIds") == ids(calls[0], "promptTokenIds")
+        assert ep["loss_mask"] == mask
 
 
 def test_a_killed_env_replica_costs_a_redo_and_no_fabricated_reward(workspace):

@@ -8,6 +8,7 @@ import asyncio
 import json
 from types import SimpleNamespace
 
+import grpc
 import pytest
 from relayrl.common.v1 import common_pb2
 from relayrl.coordinator.batch import fresh_groups, reward_stats, train_sample
@@ -35,8 +36,10 @@ class Gen:
     """A generator pool: turn 0 calls the tool (completion 10 11 STOP), later turns answer
     (12 STOP). ``calls_tool`` False: never a tool call. ``drift``: later prompts re-rendered."""
 
-    def __init__(self, calls_tool=True, drift=False, check=None):
-        self.calls_tool, self.drift = calls_tool, drift
+    def __init__(self, calls_tool=True, drift=False, check=None, end=STOP, full=False, abort=False):
+        """``end``: the token the tool-calling turn ends on; ``full``: later turns do not fit the
+        context (OUT_OF_RANGE); ``abort``: the first call of every episode is aborted."""
+        self.calls_tool, self.drift, self.end, self.full, self.abort = calls_tool, drift, end, full, abort
         self.check = check or g.CheckChatResponse(
             round_trip_ok=True, prefix_preserving=True, stop_token_ids=[STOP]
         )
@@ -44,12 +47,16 @@ class Gen:
         self.histories: list[list[common_pb2.ChatMessage]] = []
 
     async def check_chat(self, tools_json, tool_format):
-        return self.check, 4096
+        return self.check
 
     async def generate(self, prompts, sampling, request_id, min_version=0, affinity=""):
         (p,) = prompts
         self.requests.append((p.prompt_id, sampling, affinity))
         first = p.prompt_id.endswith("/t0")
+        if self.full and not first:
+            raise FakeRpcError(
+                grpc.StatusCode.OUT_OF_RANGE, "prompt has 600 tokens; the model takes at most 511"
+            )
         if p.WhichOneof("input") == "messages":  # the first turn, or any turn stepwise
             assert p.messages.tools_json == TOOLS
             self.histories.append(list(p.messages.messages))
@@ -61,9 +68,11 @@ class Gen:
         s = common_pb2.Sample(
             prompt_id=p.prompt_id,
             prompt_token_ids=ids,
-            completion_token_ids=[10, 11, STOP] if call else [12, STOP],
+            completion_token_ids=[10, 11, self.end] if call else [12, STOP],
             logprobs=[-0.5, -0.25, -0.125] if call else [-1.0, -0.0625],
-            finish_reason=common_pb2.FINISH_REASON_STOP,
+            finish_reason=common_pb2.FINISH_REASON_ABORT
+            if self.abort and first
+            else common_pb2.FINISH_REASON_STOP,
             policy_version=min_version,
             text="<tool_call>" if call else "42",
             tool_calls=[common_pb2.ToolCall(id="c0", name="calc", arguments_json="{}", parse=1)]
@@ -71,6 +80,11 @@ class Gen:
             else [],
         )
         return {p.prompt_id: [s]}
+
+
+class FakeRpcError(grpc.aio.AioRpcError):
+    def __init__(self, code, details):
+        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 class Env:
@@ -92,7 +106,9 @@ class Env:
         sid = f"{req.episode_id}#{req.attempt}"
         self.open.add(sid)
         msgs = [common_pb2.ChatMessage(role="user", content="What is 6 * 7?")]
-        return "env-0", ev.ResetResponse(session_id=sid, messages=msgs, tools_json=TOOLS, max_turns=4)
+        return SimpleNamespace(name="env-0", healthy=True), ev.ResetResponse(
+            session_id=sid, messages=msgs, tools_json=TOOLS, max_turns=4
+        )
 
     async def step(self, rep, req):
         if req.action.tool_calls:
@@ -161,7 +177,8 @@ def test_a_lost_episode_is_redone_with_the_same_seed():
     assert [r.reward for r in ro.groups[0][2]] == [1.0]
     assert ro.stats["env_redo"] == 1 and ro.stats["env_masked"] == 0
     (e0, a0, s0), (e1, a1, s1) = env.resets
-    assert (e0, a0) == ("p0/0", 0) and (e1, a1) == ("p0/0", 1) and s0 == s1
+    # the same episode, a new attempt, the same seed; the id is this process's and rollout's
+    assert e0 == e1 and e0.endswith("/step1/p0/0") and (a0, a1) == (0, 1) and s0 == s1
 
 
 def test_an_episode_lost_on_every_attempt_is_masked_never_a_zero_reward():
@@ -238,7 +255,7 @@ def test_stepwise_renders_every_call_whole_and_trains_each_with_its_episodes_adv
 
     cfg = _cfg(n=2, turns="stepwise")
     gen = Gen()
-    env = Env(reward=lambda session: 1.0 if session.startswith("p0/0#") else 0.0)
+    env = Env(reward=lambda session: 1.0 if "/p0/0#" in session else 0.0)
     ro = _run(MultiTurn(cfg, gen, env))
     # the second call's prompt is the whole dialogue: user, the model's call, the tool's answer
     second = gen.histories[-1]
@@ -296,3 +313,20 @@ def test_the_first_training_rollout_leaves_a_trace_of_two_episodes(tmp_path):
     assert first["turns"][0]["answer"][0]["content"] == "42" and first["turns"][1]["answer"] == []
     assert first["sample"]["completionTokenIds"] == [10, 11, STOP, *BRIDGE, 12, STOP]
     assert first["loss_mask"] == [1, 1, 1, 0, 0, 1, 1] and first["result"]["reward"] == 1.0
+
+
+def test_a_turn_that_cannot_be_extended_ends_the_episode_not_the_run():
+    """A turn stopped on an end token that is not the template's end of turn (vLLM stops on every
+    end token of the model's config), or a next turn that would not fit the model's context
+    (the generator answers OUT_OF_RANGE with ``fit_to_context``), ends its episode there: it is
+    scored as the env scores an unfinished episode and counted as truncated."""
+    for gen in (Gen(end=98), Gen(full=True)):
+        ro = _run(MultiTurn(_cfg(n=2), gen, Env()))
+        assert ro.stats["episodes_truncated"] == 2 and ro.stats["turns_per_episode"] == 1
+        assert [len(s.completion_token_ids) for s in ro.groups[0][1]] == [3, 3]
+        assert all(sp.fit_to_context for _, sp, _ in gen.requests)
+
+
+def test_an_aborted_turn_redoes_the_episode():
+    ro = _run(MultiTurn(_cfg(n=1, max_attempts=2), Gen(abort=True), Env()))
+    assert ro.stats["env_masked"] == 1 and ro.stats["env_redo"] == 2  # never scored

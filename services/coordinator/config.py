@@ -438,6 +438,16 @@ class ExperimentConfig(StrictModel):
             raise ValueError(
                 "services.envs: a deployed run with an episodes section needs env service addresses"
             )
+        if self.episodes is not None and self.episodes.concurrency > self.generator.max_pending_requests:
+            raise ValueError(
+                f"episodes.concurrency ({self.episodes.concurrency}) exceeds generator.max_pending_requests "
+                f"({self.generator.max_pending_requests}): the turns of that many episodes may all reach one replica"
+            )
+        if self.episodes is not None and self.env.lease_seconds <= self.services.deadline_seconds:
+            raise ValueError(
+                f"env.lease_seconds ({self.env.lease_seconds:g}) must exceed services.deadline_seconds "
+                f"({self.services.deadline_seconds:g}): a session waits that long for a turn's Generate"
+            )
         if self.episodes is not None and self.sampling.stop:
             raise ValueError(
                 "sampling.stop: an episode's turns end on the model's end-of-turn token, never on a stop "

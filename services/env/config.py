@@ -18,9 +18,11 @@ class EnvConfig(StrictModel):
     max_sessions: int = Field(1024, ge=1, le=1_000_000)
     """Most sessions open at once; a Reset past it is RESOURCE_EXHAUSTED (retry later or
     elsewhere)."""
-    lease_seconds: float = Field(300.0, gt=0, le=86400)
+    lease_seconds: float = Field(1800.0, gt=0, le=86400)
     """A session no call touches for this long is closed by the replica (its env freed); later
-    calls on it are NOT_FOUND."""
+    calls on it are NOT_FOUND. Longer than the caller's longest turn (a Generate call under its
+    deadline, ``services.deadline_seconds`` for the coordinator): the backstop for sessions a
+    caller that died left open."""
     step_timeout_seconds: float = Field(60.0, gt=0, le=3600)
     """Longest time env code may take in one Reset, Step or Close (and never past the caller's
     deadline). A Step past it ends the episode, which Close reports REDO ("env_timeout")."""

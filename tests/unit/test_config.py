@@ -310,3 +310,27 @@ def test_a_push_waits_for_a_silent_generator_less_than_the_coordinator_waits_for
         resolve_paths(cfg_mod.build(ExperimentConfig, room), tmp_path).learner.weight_sync_timeout_seconds
         == 300
     )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["sampling.stop=[END]"], "sampling.stop: an episode's turns end on the model's end-of-turn token"),
+        (
+            ["episodes.concurrency=2000"],
+            "episodes.concurrency (2000) exceeds generator.max_pending_requests (1024)",
+        ),
+        (["env.lease_seconds=60"], "env.lease_seconds (60) must exceed services.deadline_seconds (600)"),
+        (
+            ["services.generators=[g:1]", "services.rewards=[r:1]", "services.learner=l:1"],
+            "services.envs: a deployed run with an episodes section needs env service addresses",
+        ),
+        (["episodes.tool_format=json"], "episodes.tool_format"),
+    ],
+)
+def test_episodes_refuse_what_cannot_work_naming_the_field(tmp_path, overrides, needle):
+    path = write(tmp_path, MINIMAL + "episodes: {env: calc}\n")
+    assert load_experiment(path).episodes.env == "calc"
+    with pytest.raises(ConfigError) as e:
+        load_experiment(path, overrides)
+    assert needle in str(e.value)

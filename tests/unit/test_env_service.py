@@ -123,7 +123,7 @@ async def test_calc_episode_with_a_tool_call_is_rewarded(svc):
     assert r.messages[0].role == "system" and "calc" in r.messages[0].content
     assert (
         r.max_turns == 4
-        and r.lease_seconds == 300
+        and r.lease_seconds == 1800
         and json.loads(r.tools_json)[0]["function"]["name"] == "calc"
     )
     s1 = await step(svc, r.session_id, 0, "<tool_call>", [call("calc", {"expression": "123 * 456"})])

@@ -166,7 +166,7 @@ def test_registry_builtins_plugins_and_clashes():
 
 
 def test_config_bounds_and_plugin_refs():
-    assert EnvConfig().max_sessions == 1024 and EnvConfig().lease_seconds == 300
+    assert EnvConfig().max_sessions == 1024 and EnvConfig().lease_seconds == 1800
     for bad in ({"plugins": ["nocolon"]}, {"max_sessions": 0}, {"lease_seconds": 0}, {"surprise": 1}):
         with pytest.raises(ValidationError):
             EnvConfig(**bad)

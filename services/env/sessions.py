@@ -360,14 +360,16 @@ class SessionTable:
     async def _score(self, s: Session, limit: float) -> Reward:
         if s.failure is not None:
             return Reward(0.0, {}, Outcome.REDO, *s.failure)
+        # One budget for both phases: Close must answer within the caller's deadline.
+        end = time.monotonic() + limit
         try:
-            if not await self._run(lambda: s.env.settle(limit), limit + 1.0):
+            if not await self._run(lambda: s.env.settle(limit / 2), limit / 2 + 0.1):
                 reason = "a tool call was still running at Close"
                 return Reward(0.0, {}, Outcome.MASK, "tool_timeout", reason)
             if s.env.tool_timed_out:  # the episode ended on a late tool: no evidence either way
                 reason = "a tool call ran past tool_timeout_seconds; the model never saw its answer"
                 return Reward(0.0, {}, Outcome.MASK, "tool_timeout", reason)
-            return check_reward(await self._run(s.env.reward, limit))
+            return check_reward(await self._run(s.env.reward, max(0.0, end - time.monotonic())))
         except _Overran:
             self._failed(s, "env_timeout", "reward", f"reward ran past its time limit ({limit:.3g}s)")
         except Exception as e:

@@ -7,6 +7,9 @@ anything is counted), so a client cannot grow the label set without bound.
 from prometheus_client import Counter, Gauge, Histogram
 
 SESSIONS_OPEN = Gauge("relayrl_env_sessions_open", "Sessions open now (capped by max_sessions)")
+HUNG_THREADS = Gauge(
+    "relayrl_env_hung_threads", "Env threads held by env code that ran past its limit (all: NOT_SERVING)"
+)
 RESETS = Counter("relayrl_env_resets", "Sessions opened, by env (a retried Reset is not counted)", ["env"])
 STEPS = Counter("relayrl_env_steps", "Steps run, by env (a replayed step is not counted)", ["env"])
 STEP_REPLAYS = Counter("relayrl_env_step_replays", "Retried steps answered from the stored response", ["env"])

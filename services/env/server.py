@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from relayrl.common.grpc_server import (
@@ -28,6 +29,7 @@ def build(config: EnvConfig) -> ServerHandle:
     session. Raises ``PluginError`` when a plugin cannot be loaded."""
     table = SessionTable(build_registry(config.plugins), config)
     handle = create_server(EnvServicer(table, config), DESCRIPTOR, config.serve)
+    table.on_ready = lambda ready: asyncio.ensure_future(handle.set_ready(ready))
     table.start()
     handle.on_shutdown.append(table.shutdown)
     return handle

@@ -39,6 +39,7 @@ from relayrl.common.rpc import (
     NotFound,
     ResourceExhausted,
     ServiceError,
+    Unavailable,
     to_the_end,
 )
 from relayrl.env import metrics
@@ -192,12 +193,15 @@ class SessionTable:
         self._reaper: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self._next = 0
+        self.hung = 0  # pool threads still held by env code that ran past its limit
+        self.on_ready: Callable[[bool], Any] | None = None  # readiness (health) of the replica
 
     # ---- calls -------------------------------------------------------------------------------
 
     async def open(
         self, env: str, task: dict, seed: int, episode_id: str, attempt: int, limit: float
     ) -> Opened:
+        self._serving()
         spec = self.specs.get(env)
         if spec is None:
             raise InvalidRequest(f"unknown env {cut(env, 128)!r}; this replica runs: {', '.join(self.specs)}")
@@ -225,6 +229,7 @@ class SessionTable:
     async def step(self, session_id: str, index: int, action: Action, limit: float) -> StepOut:
         s = self._session(session_id)
         s.touch()
+        self._serving()
         return await to_the_end(self._step(s, index, action, limit))
 
     async def close(self, session_id: str, limit: float) -> Reward:
@@ -232,6 +237,7 @@ class SessionTable:
         s.touch()
         if s.result is not None:
             return s.result
+        self._serving()
         return await to_the_end(self._close(s, limit))
 
     def open_count(self) -> int:
@@ -248,13 +254,35 @@ class SessionTable:
         return s
 
     async def _run(self, fn: Callable[[], Any], limit: float) -> Any:
-        """``fn()`` in the pool, for at most ``limit`` seconds (else ``_Overran``)."""
+        """``fn()`` in the pool, for at most ``limit`` seconds (else ``_Overran``). A thread
+        cannot be killed: env code that overran keeps its thread until it returns. Once every
+        thread is held so, nothing could run any more: the replica says it is unavailable (its
+        health NOT_SERVING, its calls UNAVAILABLE, so callers take the work elsewhere) until one
+        comes back."""
         fut = asyncio.get_running_loop().run_in_executor(self.executor, fn)
         done, _ = await asyncio.wait({fut}, timeout=limit)  # wait: bounded by limit
         if not done:
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved, not reported
+            self._hang(+1)
+            # retrieved, not reported; its thread is back when it returns
+            fut.add_done_callback(lambda f: (f.cancelled() or f.exception(), self._hang(-1)))
             raise _Overran()
         return fut.result()
+
+    def _serving(self) -> None:
+        """Unavailable while every env thread is held by env code that overran (``_run``)."""
+        if self.hung >= self.config.threads:
+            raise Unavailable(
+                f"all {self.config.threads} env threads are held by env code that ran past its limit "
+                "(a hung env or tool); restart the replica"
+            )
+
+    def _hang(self, change: int) -> None:
+        was_full = self.hung >= self.config.threads
+        self.hung += change
+        metrics.HUNG_THREADS.set(self.hung)
+        full = self.hung >= self.config.threads
+        if full != was_full and self.on_ready is not None:
+            self.on_ready(not full)
 
     def _failed(
         self, s: Session, kind: str, where: str, reason: str, exc: BaseException | None = None

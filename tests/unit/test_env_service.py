@@ -346,6 +346,27 @@ async def test_env_code_that_raises_or_hangs_is_redo(svc):
         assert "ran past its time limit" in out.failure_reason
 
 
+async def test_a_replica_whose_threads_all_hang_says_so_until_one_comes_back():
+    """Env code that overran keeps its thread (a thread cannot be killed). With every thread held
+    the replica is NOT_SERVING and its calls UNAVAILABLE (callers go elsewhere: never a reward),
+    and serves again once the code returns."""
+    async with serving(step_timeout_seconds=0.3, threads=1) as s:
+        r = await reset(s, "test/step_hangs", {})
+        assert (await step(s, r.session_id, 0, "x")).done  # overran: its thread still sleeps
+        health = await s.health.Check(health_pb2.HealthCheckRequest(service=SERVICE))
+        assert health.status != SERVING
+        err = await error_of(reset(s, episode_id="next"))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "restart the replica" in err.details()
+        assert counted("relayrl_env_hung_threads", {}) == 1
+        for _ in range(100):  # the sleep ends within 1.5 s
+            if (await s.health.Check(health_pb2.HealthCheckRequest(service=SERVICE))).status == SERVING:
+                break
+            await asyncio.sleep(0.05)
+        out = await close(s, r.session_id)
+        assert out.outcome == e.OUTCOME_REDO and out.failure_kind == "env_timeout"
+        assert (await step(s, (await reset(s, episode_id="next")).session_id, 0, "56088")).done
+
+
 # ---- sessions ------------------------------------------------------------------------------
 
 

@@ -12,8 +12,10 @@ calc traces, ``tool_share`` of them on the tool branch: the env's first messages
 hermes call ``calc({"expression": "a * b"})`` as the template renders an assistant call, the
 env's answer (Step) bridged on, then "The answer is N."; the rest answer "The answer is N." at
 once. The tiny model cannot multiply 3-digit numbers, so the direct branch is mostly wrong: RL
-must move the policy onto the tool. Held out: greedy episodes played against the env (tool
-calls per episode, accuracy by the env's reward, and accuracy on each branch).
+must move the policy onto the tool. Held out: episodes played against the env, greedy and
+sampled at temperature 1 (tool calls per episode, accuracy by the env's reward, and accuracy
+with and without a call); after a 50/50 warm start the greedy policy takes one branch
+everywhere, so the sampled measure is the one that shows the mix.
 """
 
 from __future__ import annotations
@@ -107,23 +109,25 @@ class CalcPlayer:
         return self.env.reward().reward >= 1.0
 
 
-def heldout(model, codec: ChatCodec, rows: list[dict], seed: int) -> dict[str, float]:
-    """Greedy held-out episodes: tool calls per episode, accuracy, and accuracy with and
-    without a tool call."""
+def heldout(model, codec: ChatCodec, rows: list[dict], seed: int, sampled: bool = False) -> dict[str, float]:
+    """Held-out episodes, greedy (or sampled at temperature 1, seeded): tool calls per episode,
+    accuracy, and accuracy with and without a tool call."""
+    import torch
+    from relayrl.common.modelkit.episodes import sample_generate
     from relayrl.common.modelkit.sft import greedy_generate
 
+    torch.manual_seed(seed)
     players = [CalcPlayer(codec, r, seed + i) for i, r in enumerate(rows)]
     for start in range(0, len(players), 32):
-        chunk = players[start : start + 32]
         play(
             model,
             codec,
-            chunk,
+            players[start : start + 32],
             calc_tools(),
             codec.tokenizer.pad_token_id,
             MAX_NEW_TOKENS,
             4,
-            greedy_generate,
+            sample_generate if sampled else greedy_generate,
         )
     used = [p for p in players if p.tool_calls]
     direct = [p for p in players if not p.tool_calls]
@@ -151,8 +155,9 @@ def warm_start_calc(
     traces = [calc_trace(codec, r, seed + i, pick.random() < tool_share) for i, r in enumerate(rows)]
     loss = train_traces(model, traces, tokenizer.pad_token_id, steps, seed, lr, batch_size)
     model.save_pretrained(out, safe_serialization=True)
-    measured = heldout(model, codec, generate("calc", n_heldout, seed=seed, split="test"), seed)
-    return {"final_loss": loss, **measured}
+    test = generate("calc", n_heldout, seed=seed, split="test")
+    greedy, sampled = heldout(model, codec, test, seed), heldout(model, codec, test, seed, sampled=True)
+    return {"final_loss": loss, **greedy, "sampled": sampled}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="model folder to write (created)")
     p.add_argument("--task", choices=TASKS, default="calc")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, tokenizer corpus and SFT data")
-    p.add_argument("--sft-steps", type=int, default=300)
+    p.add_argument("--sft-steps", type=int, default=500)
     p.add_argument("--sft-lr", type=float, default=1e-3)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--tool-share", type=float, default=0.5, help="share of traces on the tool branch")
     p.add_argument("--heldout", type=int, default=64, help="held-out episodes played after SFT")
     args = p.parse_args(argv)
@@ -183,11 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         sft_heldout_exact=res["accuracy"],
         sft_heldout=res,
     )
+    line = lambda r: (  # noqa: E731
+        f"{r['tool_calls_per_episode']:.2f} tool calls per episode, accuracy {r['accuracy']:.3f} (with a "
+        f"tool {r['accuracy_with_tool']:.3f}, without {r['accuracy_without_tool']:.3f}; n={r['n']})"
+    )
     print(
         f"warm-started on {args.task} episodes: {args.sft_steps} steps, loss {res['final_loss']:.4f}; held-out "
-        f"greedy: {res['tool_calls_per_episode']:.2f} tool calls per episode, accuracy {res['accuracy']:.3f} "
-        f"(with a tool {res['accuracy_with_tool']:.3f}, without {res['accuracy_without_tool']:.3f}; "
-        f"n={res['n']}) ({time.monotonic() - t0:.1f}s)",
+        f"greedy: {line(res)}; sampled: {line(res['sampled'])} ({time.monotonic() - t0:.1f}s)",
         flush=True,
     )
     return 0

@@ -129,7 +129,7 @@ class _Generator:
             round_trip_ok=check.round_trip_ok,
             prefix_preserving=check.prefix_preserving,
             stop_token_ids=check.stop_token_ids,
-        ), 1024
+        )
 
     async def generate(self, prompts, sampling, request_id, min_version=0, affinity=""):
         (p,) = prompts

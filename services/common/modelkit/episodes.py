@@ -173,6 +173,29 @@ def play(
     model.train()
 
 
+def sample_generate(model, prompts: list[list[int]], pad_id: int, max_new_tokens: int) -> list[list[int]]:
+    """``sft.greedy_generate``'s batch, sampled at temperature 1 (the policy as RL samples it)."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        pad_token_id=pad_id,
+    )
+    return out[:, width:].tolist()
+
+
 def load(model_dir: str | Path):
     """(model, tokenizer) of a folder, float32, for training in this process."""
     import torch

@@ -268,3 +268,28 @@ def test_a_calc_tiny_model_is_built_by_the_warm_start_process_and_moved_in_when_
     assert cmd[1:4] == ["-m", "relayrl.warmstart", "--out"] and "--sft-steps" in cmd and "0.25" in cmd
     assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["config.json", "model.safetensors"]
     assert not (tmp_path / "m.part").exists()
+
+
+def test_the_shared_prefix_runs_once_with_the_same_loss_and_gradients(codec):
+    import torch
+    from relayrl.common.modelkit.episodes import batch_loss, shared_prefix
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    traces = [calc_trace(codec, r, i, i % 2 == 0) for i, r in enumerate(ROWS)]
+    shared = shared_prefix(traces)
+    assert shared > 200 and all(t.ids[:shared] == traces[0].ids[:shared] for t in traces)
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=576, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=1024,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(cfg)
+    grads = []
+    for n in (0, shared):
+        model.zero_grad()
+        loss = batch_loss(model, traces, codec.tokenizer.pad_token_id, n)
+        loss.backward()
+        grads.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+    (l0, g0), (l1, g1) = grads
+    assert abs(l0 - l1) < 1e-5
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g0, g1, strict=True))

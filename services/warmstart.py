@@ -111,7 +111,7 @@ class CalcPlayer:
 
 def heldout(model, codec: ChatCodec, rows: list[dict], seed: int, sampled: bool = False) -> dict[str, float]:
     """Held-out episodes, greedy (or sampled at temperature 1, seeded): tool calls per episode,
-    accuracy, and accuracy with and without a tool call."""
+    accuracy, and accuracy with and without a tool call (None where no episode was)."""
     import torch
     from relayrl.common.modelkit.episodes import sample_generate
     from relayrl.common.modelkit.sft import greedy_generate
@@ -131,7 +131,7 @@ def heldout(model, codec: ChatCodec, rows: list[dict], seed: int, sampled: bool 
         )
     used = [p for p in players if p.tool_calls]
     direct = [p for p in players if not p.tool_calls]
-    share = lambda ps: sum(p.correct() for p in ps) / len(ps) if ps else float("nan")  # noqa: E731
+    share = lambda ps: round(sum(p.correct() for p in ps) / len(ps), 4) if ps else None  # noqa: E731
     return {
         "tool_calls_per_episode": sum(p.tool_calls for p in players) / max(1, len(players)),
         "accuracy": share(players),
@@ -188,9 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         sft_heldout_exact=res["accuracy"],
         sft_heldout=res,
     )
+    f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731  (None: no such episode)
     line = lambda r: (  # noqa: E731
-        f"{r['tool_calls_per_episode']:.2f} tool calls per episode, accuracy {r['accuracy']:.3f} (with a "
-        f"tool {r['accuracy_with_tool']:.3f}, without {r['accuracy_without_tool']:.3f}; n={r['n']})"
+        f"{r['tool_calls_per_episode']:.2f} tool calls per episode, accuracy {f(r['accuracy'])} (with a "
+        f"tool {f(r['accuracy_with_tool'])}, without {f(r['accuracy_without_tool'])}; n={r['n']})"
     )
     print(
         f"warm-started on {args.task} episodes: {args.sft_steps} steps, loss {res['final_loss']:.4f}; held-out "

@@ -43,6 +43,12 @@ def workspace(tmp_path_factory, reverse_assets):
     root = tmp_path_factory.mktemp("turns")
     exp = root / "exp.yaml"
     exp.write_text(textwrap.dedent(EXPERIMENT.format(model=reverse_assets / "model", data=root / "data")))
+    # The data files, made once here: every test may run alone (some drive the loop in-process,
+    # which prepares nothing).
+    from relayrl.coordinator.assets import prepare
+    from relayrl.coordinator.derive import load_experiment
+
+    prepare(load_experiment(exp))
     return root, exp
 
 

@@ -35,9 +35,11 @@ class FakeEngine:
         self.codec = None
 
     def encode_messages(self, messages, tools=None):
-        calls = lambda m: "".join(
-            f"{c['function']['name']}({c['function']['arguments']})" for c in m.get("tool_calls", [])
-        )  # noqa: E731
+        def calls(m):
+            return "".join(
+                f"{c['function']['name']}({c['function']['arguments']})" for c in m.get("tool_calls", [])
+            )
+
         head = f"tools:{[t['function']['name'] for t in tools]}|" if tools else ""
         return self.encode_text(head + "".join(f"{m['role']}:{m['content']}{calls(m)}|" for m in messages))
 

@@ -1,0 +1,175 @@
+"""The fail-loud start-up probe: before a service serves, check that the sandbox contains code.
+
+Four hostile programs run in the sandbox under its own limits (the wall clock raised to 5 s):
+
+* ``network``: the host listens on a free port of its own 127.0.0.1; the program lists its
+  interfaces and connects to that port. Nothing may arrive and only ``lo`` may be seen. No other
+  address is ever tried.
+* ``memory``: a 1 GiB allocation (twice the limit when that is larger) must fail (MEMORY).
+* ``fork``: forking up to 4x the process limit must stop before the limit, and the host must
+  still start a process afterwards.
+* ``processes``: /proc must show only the sandbox's own pids, and the program must not be root.
+
+Tier ``full`` raises ``SandboxUnsafe`` naming every failed check (and when the sandbox cannot
+start at all); tier ``rlimits-only`` was chosen knowing that ``network`` and ``processes`` fail,
+so it reports and logs what holds and raises only when nothing can run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+from relayrl.common.sandbox.limits import SandboxUnavailable, SandboxUnsafe, Tier, Verdict
+from relayrl.common.sandbox.pool import Sandbox
+
+logger = logging.getLogger(__name__)
+
+_NETWORK = """
+import json, socket
+r = {}
+try:
+    r["interfaces"] = sorted(n for _, n in socket.if_nameindex())
+except OSError as e:
+    r["interfaces"] = ["error: " + type(e).__name__]
+s = socket.socket()
+s.settimeout(1.0)
+try:
+    s.connect(("127.0.0.1", PORT))
+    r["connect"] = "connected"
+except OSError as e:
+    r["connect"] = type(e).__name__
+print(json.dumps(r))
+"""
+_MEMORY = "b = bytearray(SIZE)\nprint(len(b))\n"
+_FORK = """
+import os, time
+n, blocked = 0, False
+try:
+    for _ in range(TRIES):
+        if os.fork() == 0:
+            time.sleep(30)
+            os._exit(0)
+        n += 1
+except OSError:
+    blocked = True
+print(n, blocked, flush=True)
+"""
+_PROCESSES = "import os\nprint(os.getuid(), sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    seconds: float
+
+
+@dataclass
+class ProbeReport:
+    """What the probe found: the tier in use and each check's outcome and time."""
+
+    tier: Tier
+    python: str
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def isolated(self) -> bool:
+        """Every check passed."""
+        return bool(self.checks) and all(c.ok for c in self.checks)
+
+    @property
+    def failed(self) -> list[Check]:
+        return [c for c in self.checks if not c.ok]
+
+    def summary(self) -> str:
+        parts = [f"{c.name} {'ok' if c.ok else 'FAILED'} ({c.seconds * 1000:.0f} ms)" for c in self.checks]
+        return f"sandbox tier {self.tier}: " + ", ".join(parts)
+
+
+def probe(sandbox: Sandbox | Tier = "full") -> ProbeReport:
+    """Run the checks in ``sandbox`` (or in a default one of that tier). Raises SandboxUnsafe for
+    tier ``full`` when a check fails or the sandbox does not start."""
+    if isinstance(sandbox, str):
+        sandbox = Sandbox(sandbox)
+    report = ProbeReport(sandbox.tier, sandbox.python)
+    try:
+        for check in (_network, _memory, _fork, _processes):
+            start = time.monotonic()
+            ok, detail = check(sandbox)
+            report.checks.append(Check(check.__name__.lstrip("_"), ok, detail, time.monotonic() - start))
+    except SandboxUnavailable as e:
+        raise SandboxUnsafe(f"sandbox tier {sandbox.tier} cannot run code: {e}") from e
+    if report.tier == "full" and not report.isolated:
+        failed = "; ".join(f"{c.name}: {c.detail}" for c in report.failed)
+        raise SandboxUnsafe(
+            f"sandbox isolation missing ({failed}); install bubblewrap and allow user namespaces, "
+            "or choose sandbox.tier: rlimits-only knowingly"
+        )
+    if report.failed:
+        logger.warning("%s; not isolated: %s", report.summary(), ", ".join(c.name for c in report.failed))
+    else:
+        logger.info("%s", report.summary())
+    return report
+
+
+def _limits(sandbox: Sandbox):
+    return sandbox.limits.model_copy(update={"wall_seconds": max(sandbox.limits.wall_seconds, 5.0)})
+
+
+def _network(sandbox: Sandbox) -> tuple[bool, str]:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listener.setblocking(False)
+        port = listener.getsockname()[1]
+        result = sandbox.run_sync(_NETWORK.replace("PORT", str(port)), limits=_limits(sandbox))
+        try:
+            conn, _ = listener.accept()
+            conn.close()
+            arrived = True
+        except BlockingIOError:
+            arrived = False
+    try:
+        seen = json.loads(result.stdout)
+    except ValueError:
+        return False, f"the check did not run: {result.verdict} {result.stderr.strip()[-200:]}"
+    ok = not arrived and seen["connect"] != "connected" and seen["interfaces"] == ["lo"]
+    return (
+        ok,
+        f"host listener reached: {arrived}; connect: {seen['connect']}; interfaces: {seen['interfaces']}",
+    )
+
+
+def _memory(sandbox: Sandbox) -> tuple[bool, str]:
+    size = max(1 << 30, 2 * sandbox.limits.memory_mb << 20)
+    result = sandbox.run_sync(_MEMORY.replace("SIZE", str(size)), limits=_limits(sandbox))
+    return result.verdict is Verdict.MEMORY, f"{size >> 20} MiB allocation: {result.verdict}"
+
+
+def _fork(sandbox: Sandbox) -> tuple[bool, str]:
+    limit = sandbox.limits.processes
+    result = sandbox.run_sync(_FORK.replace("TRIES", str(4 * limit)), limits=_limits(sandbox))
+    try:
+        forked, blocked = result.stdout.split()
+    except ValueError:
+        return False, f"the check did not run: {result.verdict} {result.stderr.strip()[-200:]}"
+    host = subprocess.run(["true"], check=False).returncode == 0
+    ok = blocked == "True" and int(forked) < limit and host
+    return ok, f"forks before refusal: {forked} (limit {limit}); host can still fork: {host}"
+
+
+def _processes(sandbox: Sandbox) -> tuple[bool, str]:
+    result = sandbox.run_sync(_PROCESSES, limits=_limits(sandbox))
+    try:
+        uid, pids = result.stdout.split(" ", 1)
+        pids = json.loads(pids)
+    except ValueError:
+        return False, f"the check did not run: {result.verdict} {result.stderr.strip()[-200:]}"
+    ok = int(uid) != 0 and len(pids) <= 3
+    return ok, f"uid inside: {uid}; pids visible: {len(pids)}"

@@ -1,0 +1,413 @@
+"""One sandboxed job: the command line, the process, its output and its verdict.
+
+In: the program's code, its stdin, files for its /tmp, limits and a worker slot. Out: a
+:class:`RunResult`. The pool (``pool.py``) decides when a job runs; this module how.
+
+The full tier's command, outside in::
+
+    setpriv --pdeathsig KILL --        # the job dies with the thread that started it
+      bwrap <namespaces, mounts> --    # user, pid, net, ipc, uts, cgroup namespaces; read-only /usr
+        prlimit <rlimits> --           # set inside the new user namespace, before the program runs
+          /usr/bin/python3 -I -S -B /tmp/main.py
+
+Why the rlimits are set inside: RLIMIT_NPROC counts per user and user namespace and is checked at
+every level up to the host. Set inside, it bounds the job's own processes; set on bwrap outside,
+it would also count every thread of the service's user. It never binds uid 0, so a service run as
+root starts bwrap as a user of the slot's own (``uid_base + slot``): that user owns nothing else,
+so every process a job leaves is found by its user and killed before the slot runs again.
+
+The process tree ends with its pid namespace: bwrap is pid 1 inside, holds the program and dies
+with its own parent (``--die-with-parent``); when pid 1 exits the kernel kills everything left in
+the namespace, ``setsid`` or not. At a limit we SIGKILL the outer process group, and (as root) kill
+what the slot's user still owns until nothing is left.
+
+An infrastructure failure (bwrap missing or refused, a fork that fails) raises
+``SandboxUnavailable``; what the code does is never one (see ``looks_like_bwrap_failure``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import re
+import selectors
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from relayrl.common.sandbox.limits import RunResult, SandboxLimits, SandboxUnavailable, Tier, Verdict
+
+MAIN = "main.py"
+"""The program's file name in its /tmp (``files`` may not use it)."""
+_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+_MEMORY_ERROR = re.compile(r"^(?:[\w.]+\.)?\w*MemoryError\b")
+_MIB = 1 << 20
+_PR_SET_CHILD_SUBREAPER = 36
+_STATUS_UID = re.compile(rb"State:\s+(\S).*?\nUid:\s+(\d+)", re.S)
+_CHILD_PID = re.compile(rb'"child-pid"\s*:\s*(\d+)')
+
+
+def resolve_python(configured: str = "") -> str:
+    """The interpreter to run inside: ``configured``, else Debian's, else python:slim's."""
+    candidates = [configured] if configured else ["/usr/bin/python3", "/usr/local/bin/python3"]
+    for path in candidates:
+        if not path.startswith("/usr/") or ".." in path.split("/"):
+            raise ValueError(f"sandbox python must be an absolute path under /usr, got {path!r}")
+        if os.access(path, os.X_OK):
+            return path
+    raise SandboxUnavailable(f"no interpreter for the sandbox at {' or '.join(candidates)}")
+
+
+def check_files(files: Mapping[str, str] | None) -> dict[str, str]:
+    """``files`` when each name is a plain file name (no directories) other than main.py."""
+    out = dict(files or {})
+    for name, text in out.items():
+        if not isinstance(name, str) or not _FILE_NAME.fullmatch(name) or name == MAIN:
+            raise ValueError(f"sandbox file name must be a plain name other than {MAIN}, got {name!r:.80}")
+        if not isinstance(text, str):
+            raise ValueError(f"sandbox file {name}: content must be text")
+    return out
+
+
+def rlimit_args(limits: SandboxLimits, nproc: bool = True) -> list[str]:
+    """prlimit's flags for ``limits``: CPU (soft, then SIGKILL one second later), address space,
+    processes, file size, open files, no core files.
+
+    >>> rlimit_args(SandboxLimits(cpu_seconds=1.5, memory_mb=256))[:2]
+    ['--cpu=2:3', '--as=268435456']
+    """
+    cpu = math.ceil(limits.cpu_seconds)
+    args = [
+        f"--cpu={cpu}:{cpu + 1}",
+        f"--as={limits.memory_mb * _MIB}",
+        f"--fsize={limits.file_size_mb * _MIB}",
+        f"--nofile={limits.open_files}",
+        "--core=0",
+    ]
+    if nproc:
+        args.insert(2, f"--nproc={limits.processes}")
+    return args
+
+
+def bwrap_argv(
+    bwrap: str, python: str, limits: SandboxLimits, fds: Mapping[str, int], status_fd: int | None = None
+) -> list[str]:
+    """The full tier's command; ``fds`` maps each /tmp file name (main.py first) to the open file
+    descriptor bwrap copies it from; bwrap reports its init's host pid on ``status_fd``."""
+    argv = ["setpriv", "--pdeathsig", "KILL", "--", bwrap]
+    argv += ["--unshare-user", "--uid", "65534", "--gid", "65534", "--disable-userns"]
+    argv += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    if status_fd is not None:
+        argv += ["--json-status-fd", str(status_fd)]
+    argv += ["--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv"]
+    argv += ["--ro-bind", "/usr", "/usr"]
+    argv += [
+        "--symlink",
+        "usr/lib",
+        "/lib",
+        "--symlink",
+        "usr/lib64",
+        "/lib64",
+        "--symlink",
+        "usr/bin",
+        "/bin",
+    ]
+    argv += ["--proc", "/proc", "--dev", "/dev"]
+    argv += ["--size", str(limits.tmp_mb * _MIB), "--tmpfs", "/tmp"]
+    for name, fd in fds.items():
+        argv += ["--file", str(fd), f"/tmp/{name}"]
+    argv += ["--chdir", "/tmp", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp"]
+    argv += ["--", "prlimit", *rlimit_args(limits), "--", python, "-I", "-S", "-B", f"/tmp/{MAIN}"]
+    return argv
+
+
+def plain_argv(python: str, limits: SandboxLimits, nproc: bool) -> list[str]:
+    """The rlimits-only tier's command (run in a private temporary directory)."""
+    return [
+        "setpriv",
+        "--pdeathsig",
+        "KILL",
+        "--",
+        "prlimit",
+        *rlimit_args(limits, nproc),
+        "--",
+        python,
+        "-I",
+        "-S",
+        "-B",
+        MAIN,
+    ]
+
+
+def verdict_of(
+    returncode: int, stderr: str, *, timed_out: bool, truncated: bool, via_bwrap: bool
+) -> tuple[Verdict, int | None, int | None]:
+    """(verdict, exit code, signal) of an ended job. bwrap reports a program ended by signal N as
+    exit status 128 + N (so ``sys.exit(137)`` reads as SIGKILL: a program that wants to be
+    believed exits below 128).
+
+    >>> verdict_of(0, "", timed_out=False, truncated=False, via_bwrap=True)
+    (<Verdict.OK: 'ok'>, 0, None)
+    >>> verdict_of(1, "Traceback...\\nMemoryError\\n", timed_out=False, truncated=False, via_bwrap=True)
+    (<Verdict.MEMORY: 'memory'>, 1, None)
+    >>> verdict_of(128 + 24, "", timed_out=False, truncated=False, via_bwrap=True)
+    (<Verdict.TIMEOUT: 'timeout'>, None, 24)
+    """
+    if timed_out:
+        return Verdict.TIMEOUT, None, signal.SIGKILL
+    if truncated:
+        return Verdict.OUTPUT_TRUNCATED, None, signal.SIGKILL
+    sig = -returncode if returncode < 0 else (returncode - 128 if via_bwrap and returncode > 128 else None)
+    if sig is not None:
+        return (Verdict.TIMEOUT if sig == signal.SIGXCPU else Verdict.KILLED), None, sig
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    if returncode != 0 and lines and _MEMORY_ERROR.match(lines[-1]):
+        return Verdict.MEMORY, returncode, None
+    return (Verdict.OK if returncode == 0 else Verdict.CRASHED), returncode, None
+
+
+def looks_like_bwrap_failure(returncode: int, stdout: bytes, stderr: bytes) -> bool:
+    """bwrap could not build the sandbox: it exits 1 with one ``bwrap: ...`` line and the program
+    never ran. A program can print the same, so the pool checks the sandbox once more before it
+    believes it (``Sandbox._confirm_failure``)."""
+    return returncode == 1 and not stdout and stderr.startswith(b"bwrap: ") and stderr.count(b"\n") <= 1
+
+
+def pids_of_user(uid: int) -> list[tuple[int, bool]]:
+    """Host pids whose real user is ``uid``, each with whether it is a zombie (from
+    /proc/<pid>/status: a process cannot hide from it as it can from the owner of /proc/<pid>, by
+    turning non-dumpable)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status", "rb") as f:
+                status = f.read(4096)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        m = _STATUS_UID.search(status)
+        if m and int(m.group(2)) == uid:
+            found.append((int(name), m.group(1) == b"Z"))
+    return found
+
+
+def kill_user(uid: int, timeout: float = 2.0) -> int:
+    """SIGKILL every live process of ``uid`` until none is left (root only), reaping the zombies
+    that are ours; the number still alive after ``timeout`` (0 normally). A process forking in a
+    loop is caught by the repeats."""
+    end = time.monotonic() + timeout
+    while True:
+        live = []
+        for pid, zombie in pids_of_user(uid):
+            if zombie:
+                _reap(pid)
+                continue
+            live.append(pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if not live or time.monotonic() > end:
+            return len(live)
+        time.sleep(0.002)
+
+
+def become_subreaper() -> None:
+    """Make this process adopt its orphaned descendants (PR_SET_CHILD_SUBREAPER): bwrap's pid 1
+    outlives bwrap's outer process, and must be reaped here (``reap_init``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def _reap(pid: int) -> bool:
+    """Reap ``pid`` if it is an ended child of ours; True once it is gone or not ours."""
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
+    except ChildProcessError:
+        return True
+
+
+def reap_init(pid: int, timeout: float = 2.0) -> bool:
+    """Wait for bwrap's pid 1 (``pid`` on the host) to end and reap it. bwrap's outer process
+    exits as soon as the program does, leaving its pid 1 to tear the namespace down (the kernel
+    kills what is left) and to be reparented: to this process, which ``Sandbox`` makes a child
+    subreaper, so it ends here, not as a zombie under a container's pid 1 that never reaps. Its
+    exit means the whole namespace is gone. False when it is still there after ``timeout``."""
+    end = time.monotonic() + timeout
+    pause = 0.0005
+    while not _reap(pid):
+        if time.monotonic() > end:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+    return True
+
+
+def _memfd(name: str, text: str | bytes) -> int:
+    fd = os.memfd_create(name, 0)  # not CLOEXEC-free: pass_fds makes it inheritable
+    data = text.encode() if isinstance(text, str) else text
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A worker's identity: its index and, when the service is root, its own host user."""
+
+    index: int
+    uid: int | None
+
+
+@dataclass(frozen=True)
+class Job:
+    code: str
+    stdin: str
+    files: dict[str, str]
+    limits: SandboxLimits
+
+
+def run_job(job: Job, slot: Slot, *, tier: Tier, bwrap: str, python: str) -> tuple[RunResult, bool]:
+    """Run ``job`` in ``slot``: its result, and whether it looks like bwrap failed to start (to
+    be confirmed by the caller before it is believed)."""
+    fds: dict[str, int] = {}
+    tmpdir = None
+    stdin_fd = _memfd("stdin", job.stdin)
+    status = None
+    try:
+        if tier == "full":
+            fds[MAIN] = _memfd(MAIN, job.code)
+            for name, text in job.files.items():
+                fds[name] = _memfd(name, text)
+            status = os.pipe()
+            argv, cwd = bwrap_argv(bwrap, python, job.limits, fds, status[1]), "/"
+        else:
+            tmpdir = tempfile.mkdtemp(prefix="relayrl-sandbox-")
+            for name, text in {MAIN: job.code, **job.files}.items():
+                with open(os.path.join(tmpdir, name), "w") as f:
+                    f.write(text)
+            if slot.uid is not None:
+                for p in [tmpdir, *(os.path.join(tmpdir, n) for n in os.listdir(tmpdir))]:
+                    os.chown(p, slot.uid, slot.uid)
+            argv, cwd = plain_argv(python, job.limits, nproc=slot.uid is not None), tmpdir
+        return _spawn_and_wait(argv, cwd, stdin_fd, list(fds.values()), job.limits, slot, status)
+    finally:
+        for fd in [stdin_fd, *fds.values(), *(status or ())]:
+            os.close(fd)
+        if tmpdir is not None:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _spawn_and_wait(
+    argv: list[str],
+    cwd: str,
+    stdin_fd: int,
+    pass_fds: list[int],
+    limits: SandboxLimits,
+    slot: Slot,
+    status: tuple[int, int] | None,
+) -> tuple[RunResult, bool]:
+    via_bwrap = status is not None
+    if status is not None:
+        pass_fds = [*pass_fds, status[1]]
+    user = {} if slot.uid is None else {"user": slot.uid, "group": slot.uid, "extra_groups": []}
+    start = time.monotonic()
+    try:
+        proc = subprocess.Popen(
+            argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=pass_fds,
+            cwd=cwd, env={"PATH": "/usr/bin:/bin"}, start_new_session=True, **user,
+        )  # fmt: skip
+    except OSError as e:
+        raise SandboxUnavailable(f"cannot start the sandbox ({argv[0]}): {e}") from e
+    try:
+        out, err, truncated, timed_out = _read_capped(proc, start + limits.wall_seconds, limits.output_bytes)
+    finally:
+        # The outer process is not reaped yet, so its group id cannot have been reused: kill the
+        # group (the rlimits-only tier's children that stayed in it; the full tier's bwrap).
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.stdout.close()
+        proc.stderr.close()
+        returncode = proc.wait()
+        if status is not None:
+            m = _CHILD_PID.search(_read_all(status[0]))
+            if m and not reap_init(int(m.group(1))):
+                raise SandboxUnavailable("the sandbox's pid 1 outlived its job")
+        if slot.uid is not None and kill_user(slot.uid):
+            raise SandboxUnavailable(f"processes of sandbox user {slot.uid} survive SIGKILL")
+    wall = time.monotonic() - start
+    stderr = err.decode("utf-8", "replace")
+    verdict, code, sig = verdict_of(
+        returncode, stderr, timed_out=timed_out, truncated=truncated, via_bwrap=via_bwrap
+    )
+    result = RunResult(verdict, code, sig, out.decode("utf-8", "replace"), stderr, wall, truncated)
+    suspect = via_bwrap and not (truncated or timed_out) and looks_like_bwrap_failure(returncode, out, err)
+    return result, suspect
+
+
+def _read_all(fd: int) -> bytes:
+    os.set_blocking(fd, False)
+    chunks = []
+    try:
+        while chunk := os.read(fd, 4096):
+            chunks.append(chunk)
+    except BlockingIOError:
+        pass
+    return b"".join(chunks)
+
+
+def _exited(pid: int) -> bool:
+    """True once ``pid`` has ended; it stays unreaped (its pid and group id stay taken)."""
+    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    return info is not None and info.si_pid == pid
+
+
+def _read_capped(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bytes, bool, bool]:
+    """Read stdout and stderr until the process ends (both closed, or it exited and a process it
+    left holds them), the deadline passes, or one passes ``cap`` bytes: (stdout, stderr,
+    truncated, timed out). Never reaps the process."""
+    out, err = proc.stdout.fileno(), proc.stderr.fileno()
+    bufs = {out: bytearray(), err: bytearray()}
+    with selectors.DefaultSelector() as sel:
+        for fd in bufs:
+            os.set_blocking(fd, False)
+            sel.register(fd, selectors.EVENT_READ)
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return bytes(bufs[out]), bytes(bufs[err]), False, True
+            events = sel.select(min(left, 0.05))
+            for key, _ in events:
+                chunk = os.read(key.fd, 1 << 16)
+                if not chunk:
+                    sel.unregister(key.fd)
+                    continue
+                buf = bufs[key.fd]
+                if len(buf) + len(chunk) > cap:
+                    buf += chunk[: cap - len(buf)]
+                    return bytes(bufs[out]), bytes(bufs[err]), True, False
+                buf += chunk
+            if not events and _exited(proc.pid):
+                break
+    pause = 0.0005
+    while not _exited(proc.pid):
+        if time.monotonic() >= deadline:
+            return bytes(bufs[out]), bytes(bufs[err]), False, True
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+    return bytes(bufs[out]), bytes(bufs[err]), False, False

@@ -13,6 +13,18 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${1:-$here/.venv}"
 python="${PYTHON:-python3}"
 
+# The code sandbox (services/common/sandbox: the env service's tools, code rewards) runs programs
+# under bubblewrap, a Debian/Ubuntu package. Installed here when missing and we are root (CI, fresh
+# machines); otherwise the command to run is printed and the sandbox tests are skipped.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null; }
+  else
+    echo "bubblewrap is missing: the code sandbox needs it (sudo apt-get install bubblewrap)" >&2
+  fi
+fi
 if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi

@@ -14,8 +14,8 @@ worker thread, one call at a time:
 
 A tool error the model caused is an observation (``ToolEnv`` in ``tools.py`` does this for
 method tools). Anything ``reset``/``step``/``reward`` raise, other than ``TaskError``, is the
-environment's own failure: the episode is redone (Outcome REDO, failure kind "env_crashed"),
-never scored.
+environment's own failure: the episode is redone (Outcome REDO, failure kind "env_crashed", or
+an ``EnvUnavailable``'s own kind), never scored.
 """
 
 from __future__ import annotations
@@ -23,12 +23,22 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 
 class TaskError(ValueError):
     """The env refuses the task (no ground truth, a malformed prompt): the caller's data is at
     fault, so Reset fails INVALID_ARGUMENT and nothing is retried."""
+
+
+class EnvUnavailable(RuntimeError):
+    """What the env needs is down (its sandbox cannot start): neither the model's doing nor an
+    observation. Raised from ``step`` (a tool may raise it: ``tools.py`` passes it on), it ends
+    the episode, and Close answers REDO with failure kind ``kind``: never a reward."""
+
+    def __init__(self, message: str, kind: str = "env_unavailable"):
+        super().__init__(message)
+        self.kind = kind
 
 
 class ToolStatus(StrEnum):
@@ -126,9 +136,14 @@ class Env:
     """True when episodes are expected to call tools (a run without calls raises an alarm)."""
     max_turns: ClassVar[int] = 8
     """Most assistant turns in an episode: the service ends it after that many steps."""
+    needs_sandbox: ClassVar[bool] = False
+    """True when the env runs the model's code: a replica serving it starts a sandbox
+    (``relayrl.common.sandbox``) and hands it to each instance as ``sandbox``."""
 
     limits: Limits = Limits()
     """Set by the service on each instance."""
+    sandbox: Any = None
+    """The replica's ``Sandbox``, set by the service on envs that need one (else None)."""
     deadline: float | None = None
     """``time.monotonic()`` by which the current step must be answered; set before each step."""
     tool_timed_out: bool = False

@@ -132,7 +132,30 @@ def last_number(text: str) -> Decimal | None:
     return Decimal(found[-1]) if found else None
 
 
-class CalcEnv(ToolEnv):
+class CalcTask:
+    """The calc task's side of an env (a mixin before ``ToolEnv``): the row's question after a
+    system message ``SYSTEM``, and the reward of the final answer. ``CalcEnv`` and ``PyExecEnv``
+    (``pyexec.py``) share it and differ only in their tool."""
+
+    SYSTEM = ""
+
+    def reset(self, task: dict, seed: int) -> list[dict]:
+        try:
+            self.answer_key = Decimal(str(ground_truth(task)).strip().replace(",", ""))
+        except InvalidOperation:
+            raise TaskError(f"{self.name}: ground_truth {ground_truth(task)!r:.60} is not a number") from None
+        return [{"role": "system", "content": self.SYSTEM}, *prompt_messages(task)]
+
+    def reward(self) -> Reward:
+        t = self.transcript
+        given = last_number(t.final_text) if t.final_text is not None else None
+        correct = float(given is not None and given == self.answer_key)
+        return Reward(
+            correct, {"correctness": correct, "tool_calls": float(t.tool_calls), "turns": float(t.turns)}
+        )
+
+
+class CalcEnv(CalcTask, ToolEnv):
     name = "calc"
     description = "Arithmetic questions with a calc(expression) tool; reward 1 for the right final number."
     max_turns = 4
@@ -140,13 +163,6 @@ class CalcEnv(ToolEnv):
         "You can call the calc tool to evaluate an arithmetic expression. "
         "When you know the answer, reply with the number."
     )
-
-    def reset(self, task: dict, seed: int) -> list[dict]:
-        try:
-            self.answer_key = Decimal(str(ground_truth(task)).strip().replace(",", ""))
-        except InvalidOperation:
-            raise TaskError(f"calc: ground_truth {ground_truth(task)!r:.60} is not a number") from None
-        return [{"role": "system", "content": self.SYSTEM}, *prompt_messages(task)]
 
     @tool
     def calc(self, expression: str) -> str:
@@ -156,11 +172,3 @@ class CalcEnv(ToolEnv):
             expression: the expression, e.g. "123 * 456"
         """
         return format_number(evaluate(expression))
-
-    def reward(self) -> Reward:
-        t = self.transcript
-        given = last_number(t.final_text) if t.final_text is not None else None
-        correct = float(given is not None and given == self.answer_key)
-        return Reward(
-            correct, {"correctness": correct, "tool_calls": float(t.tool_calls), "turns": float(t.turns)}
-        )

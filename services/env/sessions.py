@@ -43,7 +43,16 @@ from relayrl.common.rpc import (
     to_the_end,
 )
 from relayrl.env import metrics
-from relayrl.env.base import Action, Limits, Outcome, Reward, TaskError, ToolResult, ToolStatus
+from relayrl.env.base import (
+    Action,
+    EnvUnavailable,
+    Limits,
+    Outcome,
+    Reward,
+    TaskError,
+    ToolResult,
+    ToolStatus,
+)
 from relayrl.env.config import EnvConfig
 from relayrl.env.registry import EnvSpec
 from relayrl.env.tools import cut
@@ -195,6 +204,7 @@ class SessionTable:
         self._next = 0
         self.hung = 0  # pool threads still held by env code that ran past its limit
         self.on_ready: Callable[[bool], Any] | None = None  # readiness (health) of the replica
+        self.sandbox: Any = None  # the replica's Sandbox, for envs that need one (set by the server)
 
     # ---- calls -------------------------------------------------------------------------------
 
@@ -297,6 +307,8 @@ class SessionTable:
         def reset() -> list[dict]:
             s.env = s.spec.cls()
             s.env.limits = self.limits
+            if s.spec.cls.needs_sandbox:
+                s.env.sandbox = self.sandbox
             return check_messages(s.env.reset(task, seed), ("system", "user", "assistant"), "reset")
 
         try:
@@ -359,6 +371,9 @@ class SessionTable:
         except _Overran:
             self._failed(s, "env_timeout", "step", f"step {index} ran past its time limit ({limit:.3g}s)")
             status = ToolStatus.TIMEOUT
+        except EnvUnavailable as e:  # its sandbox (or the like) is down: not a crash of its code
+            self._failed(s, e.kind, "step", f"step {index}: {e}")
+            status = ToolStatus.CRASHED
         except Exception as e:
             self._failed(s, "env_crashed", "step", f"step {index} raised {type(e).__name__}: {e}", e)
             status = ToolStatus.CRASHED

@@ -4,7 +4,10 @@ model's calls of them, each answered by a "tool" message the model sees.
 Every call gets an answer, never an exception: a call that did not parse is PARSE_ERROR, an
 unknown name UNKNOWN_TOOL, arguments that do not fit the signature (or a ``ValueError`` the tool
 raises about them) INVALID_ARGS, any other exception CRASHED, a call past its time limit TIMEOUT,
-an answer past ``max_tool_output_chars`` OUTPUT_TRUNCATED. Each call runs in a thread of its own,
+an answer past ``max_tool_output_chars`` OUTPUT_TRUNCATED; a tool that knows more of its outcome
+(a program it ran crashed, its output was cut) returns a ``ToolReply`` with the status. The one
+exception that is not an answer is ``EnvUnavailable`` (the env's own infrastructure is down): it
+is raised on, and the episode is redone. Each call runs in a thread of its own,
 joined with its time limit (``Limits.tool_timeout_seconds``, and no later than the step's
 deadline); a call still running then is left behind (Python cannot stop a thread), the env's
 later calls are not run beside it (``ToolEnv`` ends the episode) and ``settle`` waits for it.
@@ -22,9 +25,19 @@ import time
 import types
 import typing
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
-from relayrl.env.base import Action, Env, Limits, StepAnswer, ToolCall, ToolResult, ToolStatus, Transcript
+from relayrl.env.base import (
+    Action,
+    Env,
+    EnvUnavailable,
+    Limits,
+    StepAnswer,
+    ToolCall,
+    ToolResult,
+    ToolStatus,
+    Transcript,
+)
 
 MAX_ERROR_CHARS = 500
 """An error the model reads is cut to this many characters."""
@@ -43,6 +56,15 @@ def cut(text: str, limit: int = MAX_ERROR_CHARS) -> str:
     'abc... (3 more characters)'
     """
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+class ToolReply(NamedTuple):
+    """A tool's answer with its status, for a tool whose outcome a return value cannot say: a
+    program it ran failed (CRASHED, the verdict in ``text``), its output was cut at the tool's own
+    bound (OUTPUT_TRUNCATED). The model reads ``text`` (still cut to ``max_tool_output_chars``)."""
+
+    text: str
+    status: ToolStatus = ToolStatus.OK
 
 
 def tool(fn: Callable) -> Callable:
@@ -216,11 +238,16 @@ def answer_call(
         strays.append(thread)
         return f"error: {call.name} ran past its time limit ({limit:.3g}s)", ToolStatus.TIMEOUT
     if how == "raised":
+        if isinstance(value, EnvUnavailable):  # not the model's doing: the episode is redone
+            raise value
         if isinstance(value, ValueError):  # the tool refused its arguments
             return f"error: {cut(str(value))}", ToolStatus.INVALID_ARGS
         return f"error: {call.name} failed: {cut(f'{type(value).__name__}: {value}')}", ToolStatus.CRASHED
+    status = ToolStatus.OK
+    if isinstance(value, ToolReply):
+        value, status = value.text, ToolStatus(value.status)
     text, was_cut = render_output(value, limits.max_tool_output_chars)
-    return text, ToolStatus.OUTPUT_TRUNCATED if was_cut else ToolStatus.OK
+    return text, ToolStatus.OUTPUT_TRUNCATED if was_cut and status == ToolStatus.OK else status
 
 
 def run_tools(

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import os
 import queue
+import shutil
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
@@ -58,7 +59,7 @@ class Sandbox:
         self.limits = limits or SandboxLimits()
         self.workers = workers
         self.python = resolve_python(python)
-        self.bwrap = bwrap
+        self.bwrap = shutil.which(bwrap, path=f"/usr/bin:/bin:{os.environ.get('PATH', '')}") or bwrap
         root = os.geteuid() == 0
         become_subreaper()  # bwrap's pid 1 outlives bwrap: it must end here (runner.reap_init)
         self._slots: queue.Queue[Slot] = queue.Queue()

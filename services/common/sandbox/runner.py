@@ -172,10 +172,14 @@ def verdict_of(
 
 
 def looks_like_bwrap_failure(returncode: int, stdout: bytes, stderr: bytes) -> bool:
-    """bwrap could not build the sandbox: it exits 1 with one ``bwrap: ...`` line and the program
-    never ran. A program can print the same, so the pool checks the sandbox once more before it
-    believes it (``Sandbox._confirm_failure``)."""
-    return returncode == 1 and not stdout and stderr.startswith(b"bwrap: ") and stderr.count(b"\n") <= 1
+    """bwrap could not build the sandbox (it exits 1 with one ``bwrap: ...`` line), or could not
+    be started (setpriv exits 126/127): the program never ran. A program can print the same, so
+    the pool checks the sandbox once more before it believes it (``Sandbox._confirm_failure``)."""
+    if stdout or stderr.count(b"\n") > 1:
+        return False
+    return (returncode == 1 and stderr.startswith(b"bwrap: ")) or (
+        returncode in (126, 127) and stderr.startswith(b"setpriv: failed to execute")
+    )
 
 
 def pids_of_user(uid: int) -> list[tuple[int, bool]]:
@@ -356,7 +360,7 @@ def _spawn_and_wait(
         returncode, stderr, timed_out=timed_out, truncated=truncated, via_bwrap=via_bwrap
     )
     result = RunResult(verdict, code, sig, out.decode("utf-8", "replace"), stderr, wall, truncated)
-    suspect = via_bwrap and not (truncated or timed_out) and looks_like_bwrap_failure(returncode, out, err)
+    suspect = not (truncated or timed_out) and looks_like_bwrap_failure(returncode, out, err)
     return result, suspect
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 from relayrl.common.config import StrictModel, plugin_refs
+from relayrl.common.sandbox.limits import SandboxConfig
 from relayrl.common.serving import ServeConfig
 
 
@@ -37,6 +38,10 @@ class EnvConfig(StrictModel):
     closed_keep_seconds: float = Field(600.0, ge=0, le=86400)
     """How long a closed or expired session is remembered: a retried Close gets the same answer,
     a late call a NOT_FOUND that says why."""
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    """Where envs that run the model's code (``needs_sandbox``, e.g. ``pyexec``) run it: isolation
+    tier, default limits of a run, jobs at once. Started, and probed, only when such an env is
+    served: a replica refuses to start when tier ``full`` finds isolation missing."""
     replica_id: str = Field("", max_length=256)
     """Id reported by ListEnvs; empty: ``<hostname>:<pid>``."""
 

@@ -12,6 +12,7 @@ from relayrl.common.grpc_server import (
     start,
     start_metrics_server,
 )
+from relayrl.common.sandbox import Sandbox, SandboxUnsafe, probe
 from relayrl.env.config import EnvConfig
 from relayrl.env.registry import PluginError, build_registry
 from relayrl.env.servicer import EnvServicer
@@ -26,13 +27,33 @@ SERVICE = DESCRIPTOR.full_name
 def build(config: EnvConfig) -> ServerHandle:
     """The server (bound, not started) for the envs ``config`` names; call from inside the event
     loop that will serve (the lease reaper starts on it). Shutting it down closes every open
-    session. Raises ``PluginError`` when a plugin cannot be loaded."""
-    table = SessionTable(build_registry(config.plugins), config)
+    session. Raises ``PluginError`` when a plugin cannot be loaded, and ``SandboxUnsafe`` when an
+    env that runs the model's code is served and the sandbox's start-up probe fails."""
+    specs = build_registry(config.plugins)
+    table = SessionTable(specs, config)
+    if any(spec.cls.needs_sandbox for spec in specs.values()):
+        table.sandbox = start_sandbox(config)
     handle = create_server(EnvServicer(table, config), DESCRIPTOR, config.serve)
     table.on_ready = lambda ready: asyncio.ensure_future(handle.set_ready(ready))
     table.start()
     handle.on_shutdown.append(table.shutdown)
+    if table.sandbox is not None:
+        sandbox = table.sandbox
+
+        async def close_sandbox() -> None:
+            sandbox.close()
+
+        handle.on_shutdown.append(close_sandbox)
     return handle
+
+
+def start_sandbox(config: EnvConfig) -> Sandbox:
+    """The replica's sandbox, probed (~0.2 s): SandboxUnsafe when tier ``full`` finds isolation
+    missing; a warning naming what is missing for tier ``rlimits-only``."""
+    sandbox = Sandbox.from_config(config.sandbox)
+    report = probe(sandbox)
+    logger.info("%s (python %s, %d workers)", report.summary(), report.python, sandbox.workers)
+    return sandbox
 
 
 async def run(config: EnvConfig, port_file: str | None = None) -> None:
@@ -40,7 +61,7 @@ async def run(config: EnvConfig, port_file: str | None = None) -> None:
     stops the process (status 1) before anything binds."""
     try:
         handle = build(config)
-    except PluginError as e:
+    except (PluginError, SandboxUnsafe) as e:
         raise SystemExit(f"env: {e}") from None
     await start(handle, ready=False)
     metrics_port = start_metrics_server(config.serve.metrics_port, config.serve.host)

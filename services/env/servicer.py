@@ -139,6 +139,7 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
             max_sessions=self.config.max_sessions,
             open_sessions=self.table.open_count(),
             replica_id=self.replica_id,
+            sandbox_tier=self.table.sandbox.tier if self.table.sandbox is not None else "",
         )
 
     @map_errors

@@ -57,16 +57,18 @@ class ListEnvsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListEnvsResponse(_message.Message):
-    __slots__ = ("envs", "max_sessions", "open_sessions", "replica_id")
+    __slots__ = ("envs", "max_sessions", "open_sessions", "replica_id", "sandbox_tier")
     ENVS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_TIER_FIELD_NUMBER: _ClassVar[int]
     envs: _containers.RepeatedCompositeFieldContainer[EnvInfo]
     max_sessions: int
     open_sessions: int
     replica_id: str
-    def __init__(self, envs: _Optional[_Iterable[_Union[EnvInfo, _Mapping]]] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., replica_id: _Optional[str] = ...) -> None: ...
+    sandbox_tier: str
+    def __init__(self, envs: _Optional[_Iterable[_Union[EnvInfo, _Mapping]]] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., replica_id: _Optional[str] = ..., sandbox_tier: _Optional[str] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("request_id", "env", "task_json", "seed", "episode_id", "attempt")

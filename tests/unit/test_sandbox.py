@@ -83,6 +83,11 @@ def test_bwrap_command_isolates_everything():
     assert "--share-net" not in argv and "/root" not in joined and "/home" not in joined
 
 
+def test_without_proc():
+    argv = bwrap_argv("bwrap", "/usr/bin/python3", SandboxLimits(), {"main.py": 5}, proc=False)
+    assert "--proc" not in argv and "--dev" in argv
+
+
 def test_plain_command():
     argv = plain_argv("/usr/bin/python3", SandboxLimits(), nproc=True)
     assert argv[4] == "prlimit" and argv[-1] == "main.py" and "--nproc=16" in argv

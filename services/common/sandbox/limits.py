@@ -75,6 +75,10 @@ class SandboxConfig(StrictModel):
     service's own interpreter may live where the sandbox user cannot read it."""
     bwrap: str = Field("bwrap", min_length=1, max_length=4096)
     """The bubblewrap executable (a name looked up in PATH, or a path)."""
+    proc: bool = True
+    """Mount a /proc of the sandbox's own pid namespace (it shows only the job's processes). Set
+    False where the container runtime masks paths of /proc (Docker's and Kubernetes' defaults):
+    the kernel then refuses a new procfs in a user namespace, and the job runs without /proc."""
     uid_base: int = Field(61000, ge=1000, le=(1 << 31) - 4096)
     """When the service runs as root: worker ``i`` runs its jobs as host user ``uid_base + i``
     (a user no other process has), so RLIMIT_NPROC binds (it never binds uid 0) and every process

@@ -50,6 +50,7 @@ class Sandbox:
         python: str = "",
         bwrap: str = "bwrap",
         uid_base: int = 61000,
+        proc: bool = True,
     ):
         if tier not in ("full", "rlimits-only"):
             raise ValueError(f"sandbox tier must be 'full' or 'rlimits-only', got {tier!r}")
@@ -59,6 +60,7 @@ class Sandbox:
         self.limits = limits or SandboxLimits()
         self.workers = workers
         self.python = resolve_python(python)
+        self.proc = proc
         self.bwrap = shutil.which(bwrap, path=f"/usr/bin:/bin:{os.environ.get('PATH', '')}") or bwrap
         root = os.geteuid() == 0
         become_subreaper()  # bwrap's pid 1 outlives bwrap: it must end here (runner.reap_init)
@@ -71,7 +73,7 @@ class Sandbox:
     def from_config(cls, config: SandboxConfig) -> Sandbox:
         return cls(
             config.tier, config.limits, config.workers, python=config.python, bwrap=config.bwrap,
-            uid_base=config.uid_base,
+            uid_base=config.uid_base, proc=config.proc,
         )  # fmt: skip
 
     async def run(
@@ -110,7 +112,9 @@ class Sandbox:
     def _run(self, job: Job) -> RunResult:
         slot = self._slots.get()
         try:
-            result, suspect = run_job(job, slot, tier=self.tier, bwrap=self.bwrap, python=self.python)
+            result, suspect = run_job(
+                job, slot, tier=self.tier, bwrap=self.bwrap, python=self.python, proc=self.proc
+            )
             if suspect:
                 self._confirm_failure(slot, result)
             return result
@@ -122,7 +126,7 @@ class Sandbox:
         slot tells the two apart. Still failing: SandboxUnavailable. Running: the program printed
         it itself, and its result stands (CRASHED, exit code 1)."""
         check = Job("pass", "", {}, SandboxLimits(wall_seconds=5.0))
-        again, _ = run_job(check, slot, tier=self.tier, bwrap=self.bwrap, python=self.python)
+        again, _ = run_job(check, slot, tier=self.tier, bwrap=self.bwrap, python=self.python, proc=self.proc)
         if again.verdict is not Verdict.OK:
             raise SandboxUnavailable(f"the sandbox does not start: {result.stderr.strip()[:500]}")
         logger.debug("a job printed a bwrap-like failure but the sandbox runs")

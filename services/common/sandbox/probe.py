@@ -59,7 +59,11 @@ except OSError:
     blocked = True
 print(n, blocked, flush=True)
 """
-_PROCESSES = "import os\nprint(os.getuid(), sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+_PROCESSES = """
+import os
+pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit()) if os.path.isdir("/proc") else []
+print(os.getuid(), pids)
+"""
 
 
 @dataclass(frozen=True)

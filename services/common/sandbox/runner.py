@@ -95,7 +95,12 @@ def rlimit_args(limits: SandboxLimits, nproc: bool = True) -> list[str]:
 
 
 def bwrap_argv(
-    bwrap: str, python: str, limits: SandboxLimits, fds: Mapping[str, int], status_fd: int | None = None
+    bwrap: str,
+    python: str,
+    limits: SandboxLimits,
+    fds: Mapping[str, int],
+    status_fd: int | None = None,
+    proc: bool = True,
 ) -> list[str]:
     """The full tier's command; ``fds`` maps each /tmp file name (main.py first) to the open file
     descriptor bwrap copies it from; bwrap reports its init's host pid on ``status_fd``."""
@@ -117,7 +122,7 @@ def bwrap_argv(
         "usr/bin",
         "/bin",
     ]
-    argv += ["--proc", "/proc", "--dev", "/dev"]
+    argv += ["--proc", "/proc", "--dev", "/dev"] if proc else ["--dev", "/dev"]
     argv += ["--size", str(limits.tmp_mb * _MIB), "--tmpfs", "/tmp"]
     for name, fd in fds.items():
         argv += ["--file", str(fd), f"/tmp/{name}"]
@@ -284,7 +289,9 @@ class Job:
     limits: SandboxLimits
 
 
-def run_job(job: Job, slot: Slot, *, tier: Tier, bwrap: str, python: str) -> tuple[RunResult, bool]:
+def run_job(
+    job: Job, slot: Slot, *, tier: Tier, bwrap: str, python: str, proc: bool = True
+) -> tuple[RunResult, bool]:
     """Run ``job`` in ``slot``: its result, and whether it looks like bwrap failed to start (to
     be confirmed by the caller before it is believed)."""
     fds: dict[str, int] = {}
@@ -297,7 +304,7 @@ def run_job(job: Job, slot: Slot, *, tier: Tier, bwrap: str, python: str) -> tup
             for name, text in job.files.items():
                 fds[name] = _memfd(name, text)
             status = os.pipe()
-            argv, cwd = bwrap_argv(bwrap, python, job.limits, fds, status[1]), "/"
+            argv, cwd = bwrap_argv(bwrap, python, job.limits, fds, status[1], proc), "/"
         else:
             tmpdir = tempfile.mkdtemp(prefix="relayrl-sandbox-")
             for name, text in {MAIN: job.code, **job.files}.items():

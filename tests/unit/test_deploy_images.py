@@ -667,3 +667,25 @@ def test_the_compose_check_runs_the_readmes_commands():
     for svc in ("generator", "learner", "reward", "coordinator"):  # the images compose runs
         image = load_compose()["services"][svc]["image"]
         assert image in images.values(), f"compose runs {image}, which neither builds"
+
+
+def test_compose_env_service_alone_may_make_namespaces_for_its_sandbox(secrets_dir):
+    """The code sandbox (bubblewrap as user 10001) needs user namespaces: the env service gets a
+    seccomp profile that allows them and no AppArmor profile, nothing privileged, no capability;
+    no other service gets any of it. Its image installs bubblewrap; its jobs run without /proc."""
+    compose = load_compose()
+    for name, svc in compose["services"].items():
+        assert not svc.get("privileged") and not svc.get("cap_add"), f"{name} is privileged"
+        if name != ENV:
+            assert "security_opt" not in svc, f"{name} loosens its security profile"
+    svc, _argv, _args, config = compose_relayrl(compose, ENV, secrets_dir)
+    opts = dict(o.split("=", 1) for o in svc["security_opt"])
+    assert opts == {"seccomp": "./seccomp-env.json", "apparmor": "unconfined"}
+    profile = json.loads((COMPOSE_DIR / opts["seccomp"]).read_text())
+    denied = {n for rule in profile["syscalls"] for n in rule["names"] if rule["action"] != "SCMP_ACT_ALLOW"}
+    assert profile["defaultAction"] == "SCMP_ACT_ALLOW"
+    assert not denied & {"clone", "clone3", "unshare", "mount", "umount2", "pivot_root", "setns"}
+    assert {"bpf", "kexec_load", "init_module", "ptrace", "keyctl", "io_uring_setup"} <= denied
+    assert config.sandbox.tier == "full" and config.sandbox.proc is False
+    env_stage = " ".join(_instr(dockerfile_stages()[ENV], "RUN"))
+    assert "apt-get install -y --no-install-recommends bubblewrap" in env_stage

@@ -618,3 +618,30 @@ def test_readme_documents_deployment_before_the_model_kit():
         "overlays/gpu",
     ):
         assert text in section, text
+
+
+@pytest.mark.parametrize("overlay", KUSTOMIZATIONS, ids=KIDS)
+def test_k8s_env_pod_alone_may_make_namespaces_for_its_sandbox(overlay, rendered, secrets_dir):
+    """The code sandbox (bubblewrap as user 10001) needs user namespaces: the env container runs
+    under the Localhost seccomp profile shipped for it and no AppArmor profile, still unprivileged
+    (no escalation, every capability dropped, non-root); every other container keeps the runtime's
+    default profile. Its jobs run without /proc (the runtime masks it)."""
+    workloads = _workloads(rendered[overlay])
+    for name, doc in workloads.items():
+        pod = _pod_spec(doc)
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for c in [*pod.get("initContainers", []), *pod["containers"]]:
+            sc = c.get("securityContext", {})
+            assert not sc.get("privileged") and not sc.get("capabilities", {}).get("add"), name
+            if name != "env":
+                assert "seccompProfile" not in sc and "appArmorProfile" not in sc, name
+    pod = _pod_spec(workloads["env"])
+    (c,) = pod["containers"]
+    sc = c["securityContext"]
+    assert sc["seccompProfile"] == {"type": "Localhost", "localhostProfile": "relayrl/env-sandbox.json"}
+    assert sc["appArmorProfile"] == {"type": "Unconfined"}
+    assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    _c, _argv, config = _serve(workloads["env"], secrets_dir)
+    assert config.sandbox.tier == "full" and config.sandbox.proc is False
+    assert (ROOT / "deploy/compose/seccomp-env.json").is_file()

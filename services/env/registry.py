@@ -1,6 +1,7 @@
 """The environments a replica runs: the built-ins (``calc``, ``guess``) and plugins given as
 ``module:Class``, either an ``Env`` subclass or a TRL-style class (``adapters.py``). A plugin
-may replace a built-in of the same name, never another plugin."""
+may replace a built-in of the same name, never another plugin. Built-ins that run the model's
+code (``pyexec``) are served on request, named in ``plugins`` like one (``ON_REQUEST``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from relayrl.env.calc import CalcEnv
 from relayrl.env.guess import GuessEnv
 
 BUILTINS: tuple[type[Env], ...] = (CalcEnv, GuessEnv)
+ON_REQUEST = {"pyexec": "relayrl.env.pyexec:PyExecEnv"}
+"""Built-ins served only when named in ``plugins``: they run the model's code, and a replica
+starts (and probes) its sandbox only for envs that need one."""
 
 
 class PluginError(RuntimeError):

@@ -54,7 +54,7 @@ from relayrl.env.base import (
     ToolStatus,
 )
 from relayrl.env.config import EnvConfig
-from relayrl.env.registry import EnvSpec
+from relayrl.env.registry import ON_REQUEST, EnvSpec
 from relayrl.env.tools import cut
 
 logger = logging.getLogger(__name__)
@@ -214,7 +214,14 @@ class SessionTable:
         self._serving()
         spec = self.specs.get(env)
         if spec is None:
-            raise InvalidRequest(f"unknown env {cut(env, 128)!r}; this replica runs: {', '.join(self.specs)}")
+            how = (
+                f" ({env} is served on request: env.plugins: [{ON_REQUEST[env]}])"
+                if env in ON_REQUEST
+                else ""
+            )
+            raise InvalidRequest(
+                f"unknown env {cut(env, 128)!r}; this replica runs: {', '.join(self.specs)}{how}"
+            )
         key, fingerprint = (episode_id, attempt), _fingerprint(env, task, seed)
         s = self.by_key.get(key)
         if s is not None:

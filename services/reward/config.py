@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 from relayrl.common.config import StrictModel, plugin_refs
+from relayrl.common.sandbox.limits import SandboxConfig
 from relayrl.common.serving import ServeConfig
 
 
@@ -18,6 +19,11 @@ class RewardConfig(StrictModel):
     """Per-sample scoring limit; past it the sample gets status TIMEOUT and the worker is replaced."""
     plugins: list[str] = Field(default_factory=list)
     """User scorers as ``module:function``; each serves the data sources it declares."""
+    sandbox: SandboxConfig | None = None
+    """The sandbox of the ``code`` reward (programs run against tests). Set: every scoring worker
+    starts it and probes it before it reports ready, so a replica without isolation (tier
+    ``full``) refuses to start; give ``timeout_seconds`` room for a sample's tests. Unset: a
+    worker starts a default one (tier ``full``, unprobed) on its first ``code`` sample."""
     max_items_per_request: int = Field(65536, ge=1)
     """Most samples one Score call may carry; more is INVALID_ARGUMENT."""
     max_pending_items: int = Field(262144, ge=1)

@@ -135,11 +135,15 @@ class ScoringPool:
         give_up_seconds: float = 300.0,
         respawn_delays: tuple[float, float] = (0.1, 10.0),
         on_ready: Callable[[bool], object] | None = None,
+        sandbox_json: str = "",
     ):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.num_workers = workers
         self.plugins = list(plugins)
+        self.sandbox_json = sandbox_json
+        """A ``SandboxConfig`` as JSON: each worker starts and probes its sandbox before it reports
+        ready (code rewards); empty: a worker starts a default one on its first code sample."""
         self.start_timeout = start_timeout
         self.unready_after = unready_after
         self.give_up_seconds = give_up_seconds
@@ -228,7 +232,7 @@ class ScoringPool:
         parent, child = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
             target=worker_main,
-            args=(child, self.plugins, os.getpid()),
+            args=(child, self.plugins, os.getpid(), self.sandbox_json),
             daemon=True,
             name="relayrl-reward-worker",
         )

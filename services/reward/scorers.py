@@ -16,6 +16,7 @@ reverse      last <answer>...</answer>        0.1    exactly the ground truth st
 gsm8k        last ``#### n``, else <answer>   0.0    numerically equal (commas stripped)
 math         last \\boxed{...}                 0.0    equivalent under math-verify
 format       <think>...</think><answer>...    --     1.0 when the completion has exactly that shape
+code         last ```python block, else all  0.0    fraction of the tests passed, in the sandbox
 ============ =============================== ====== ===========================================
 
 Nothing here evaluates model output with ``eval``: countdown walks the ``ast`` of the equation and
@@ -388,6 +389,18 @@ def score_format(completion: str, ground_truth: Any, extra_info: dict) -> ScoreR
     return ScoreResult(float(ok), {"format": float(ok)})
 
 
+# ---- code ---------------------------------------------------------------------------------------------
+
+
+def score_code(completion: str, ground_truth: Any, extra_info: dict) -> ScoreResult:
+    """A Python program (the completion's last ```python block) run against the ground truth's
+    tests in the sandbox: the fraction passed (``relayrl.reward.code``). A sandbox that cannot run
+    raises: the sample is an ERROR, never a reward of 0."""
+    from relayrl.reward.code import score_code as run  # the sandbox: imported where scoring runs
+
+    return run(completion, ground_truth, extra_info)
+
+
 # ---- registry -----------------------------------------------------------------------------------------
 
 SCORERS: dict[str, Scorer] = {
@@ -400,6 +413,7 @@ SCORERS: dict[str, Scorer] = {
     "lighteval/MATH": score_math,
     "DigitalLearningGmbH/MATH-lighteval": score_math,
     "format": score_format,
+    "code": score_code,
 }
 """Built-in scorers by ``data_source`` (the dataset row's field)."""
 

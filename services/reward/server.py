@@ -39,6 +39,7 @@ def make_pool(config: RewardConfig) -> ScoringPool:
         config.plugins,
         unready_after=config.respawn_failures_unready,
         give_up_seconds=config.respawn_give_up_seconds,
+        sandbox_json=config.sandbox.model_dump_json() if config.sandbox is not None else "",
     )
 
 

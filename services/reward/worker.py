@@ -87,8 +87,9 @@ def _die_with(parent_pid: int) -> None:
         os._exit(1)
 
 
-def worker_main(conn, plugins: list[str], parent_pid: int) -> None:
-    """Worker process: report the scorers (or why plugins failed), then score until told to stop."""
+def worker_main(conn, plugins: list[str], parent_pid: int, sandbox_json: str = "") -> None:
+    """Worker process: report the scorers (or why plugins failed, or why its sandbox did not
+    start), then score until told to stop."""
     _die_with(parent_pid)
     # Signals to the process group are the server's business: it stops the workers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -97,6 +98,11 @@ def worker_main(conn, plugins: list[str], parent_pid: int) -> None:
         sys.path.append(os.getcwd())
     try:
         registry, infos = build_registry(plugins)
+        if sandbox_json:  # code rewards: the probe (seconds) before ready, not in a sample's time
+            from relayrl.common.sandbox import SandboxConfig
+            from relayrl.reward.code import start_sandbox
+
+            start_sandbox(SandboxConfig.model_validate_json(sandbox_json))
     except Exception as e:
         conn.send_bytes(json.dumps({"fatal": str(e)}).encode())
         return

@@ -214,6 +214,7 @@ HOSTILE = {
     "think tags repeated": "<think>" * (_MB // 7) + "</think><answer>1</answer>",
     "unary minus": "<answer>" + "-" * _MB + "1</answer>",
     "parentheses": "<answer>" + "(" * (_MB // 2) + "1" + ")" * (_MB // 2) + "</answer>",
+    "code fences repeated": "```python\n" * (_MB // 10),
 }
 TRUTH = {
     "countdown": COUNTDOWN,
@@ -222,6 +223,7 @@ TRUTH = {
     "gsm8k": "1234",
     "math": "\\frac{1}{2}",
     "format": "",
+    "code": '[{"input": "", "output": "1"}]',  # each completion runs once, in the sandbox
 }
 
 

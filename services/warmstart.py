@@ -4,14 +4,17 @@ same actions gives (``tests/unit/test_warmstart.py`` checks it against the coord
 episodes).
 
 It joins two services' code, the generator's (``ChatCodec``: render and bridge; the hermes
-tool-call parser) and the env's (``CalcEnv``: its first messages, tools, tool answers and
-reward), so it sits on the top floor beside the commands. The coordinator runs it as a process,
-as it runs the services: ``python -m relayrl.warmstart --out DIR --task calc --sft-steps N``.
+tool-call parser) and the env's (``CalcEnv`` or ``PyExecEnv``: its first messages, tools, tool
+answers and reward), so it sits on the top floor beside the commands. The coordinator runs it as
+a process, as it runs the services: ``python -m relayrl.warmstart --out DIR --task calc
+--sft-steps N``.
 
-calc traces, ``tool_share`` of them on the tool branch: the env's first messages (Reset), one
-hermes call ``calc({"expression": "a * b"})`` as the template renders an assistant call, the
-env's answer (Step) bridged on, then "The answer is N."; the rest answer "The answer is N." at
-once. The tiny model cannot multiply 3-digit numbers, so the direct branch is mostly wrong: RL
+Tasks (``TASKS``): ``calc`` and ``pyexec``, both on calc's rows ("What is A * B?"), differing in
+the tool: ``calc({"expression": "a * b"})``, or ``python({"code": "print(a * b)"})`` run in a
+sandbox (one for the whole warm start, as an env replica has one). Traces, ``tool_share`` of
+them on the tool branch: the env's first messages (Reset), one hermes call as the template
+renders an assistant call, the env's answer (Step) bridged on, then "The answer is N."; the rest
+answer "The answer is N." at once. The tiny model cannot multiply 3-digit numbers, so the direct branch is mostly wrong: RL
 must move the policy onto the tool. Held out: episodes played against the env, greedy and
 sampled at temperature 1 (tool calls per episode, accuracy by the env's reward, and accuracy
 with and without a call); after a 50/50 warm start the greedy policy takes one branch
@@ -26,67 +29,104 @@ import logging
 import random
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from relayrl.common.data.tasks import generate
 from relayrl.common.modelkit.episodes import Trace, episode_trace, load, play, train_traces
-from relayrl.env.base import Action, ToolCall
+from relayrl.env.base import Action, ToolCall, ToolStatus
 from relayrl.env.calc import CalcEnv
+from relayrl.env.pyexec import PyExecEnv
+from relayrl.env.tools import ToolEnv
 from relayrl.generator.bridge import ChatCodec
 from relayrl.generator.toolcalls import Parse, openai_tool_call, parse_tool_calls
 
 logger = logging.getLogger(__name__)
 
-TASKS = ("calc",)
-"""Tasks whose warm start is multi-turn (the rest: ``relayrl model tiny --task``)."""
 TOOL_FORMAT = "hermes"
 MAX_NEW_TOKENS = 48
-"""Longest turn in the held-out episodes (a calc call is about 30 tokens)."""
+"""Longest turn in the held-out episodes (a calc call is about 30 tokens, a python call 31)."""
 
 
-def calc_tools() -> list[dict]:
-    """The tools as the generator receives them from the env service (its JSON, read back)."""
-    return json.loads(json.dumps(CalcEnv.tools))
+@dataclass(frozen=True)
+class ToolTask:
+    """An env whose warm start is on its episodes: calc's rows, the env's one tool."""
+
+    env: type[ToolEnv]
+    tool: str
+    arguments: Callable[[str], dict]
+    """The call's arguments for the row's expression ("a * b")."""
+
+    def tools(self) -> list[dict]:
+        """The tools as the generator receives them from the env service (its JSON, read back)."""
+        return json.loads(json.dumps(self.env.tools))
+
+    def make_env(self, sandbox: Any) -> ToolEnv:
+        env = self.env()
+        env.sandbox = sandbox
+        return env
 
 
-def calc_corpus(seed: int) -> list[str]:
-    """calc's texts for the tokenizer: the env's system message and tool schema, the questions,
+TASKS: dict[str, ToolTask] = {
+    "calc": ToolTask(CalcEnv, "calc", lambda expression: {"expression": expression}),
+    "pyexec": ToolTask(PyExecEnv, "python", lambda expression: {"code": f"print({expression})"}),
+}
+"""Tasks whose warm start is multi-turn (the rest: ``relayrl model tiny --task``)."""
+
+
+def tool_corpus(seed: int, task: str = "calc") -> list[str]:
+    """A task's texts for the tokenizer: the env's system message and tool schema, the questions,
     calls, tool answers and final answers (ordinary text)."""
+    t = TASKS[task]
     rows = generate("calc", 200, seed=seed, split="train")
-    out = [CalcEnv.SYSTEM] * 20 + [json.dumps(t, ensure_ascii=False) for t in CalcEnv.tools] * 20
+    out = [t.env.SYSTEM] * 20 + [json.dumps(x, ensure_ascii=False) for x in t.env.tools] * 20
     for row in rows:
         expression, answer = row["extra_info"]["expression"], row["reward_model"]["ground_truth"]
         out += [
             row["prompt"][-1]["content"],
-            f'<tool_call>\n{{"name": "calc", "arguments": {{"expression": "{expression}"}}}}\n</tool_call>',
+            f"<tool_call>\n{json.dumps({'name': t.tool, 'arguments': t.arguments(expression)})}\n</tool_call>",
             f"<tool_response>\n{answer}\n</tool_response>",
             f"The answer is {answer}.",
         ]
     return out
 
 
-def calc_trace(codec: ChatCodec, row: dict, seed: int, tool: bool) -> Trace:
-    """One calc episode's trace: the tool branch (call, the env's answer, final answer) or the
-    direct one (final answer at once); the env's own Reset and Step make its messages."""
-    env = CalcEnv()
+def tool_episode(row: dict, seed: int, tool: bool, task: str = "calc", sandbox: Any = None):
+    """One episode as the env plays it: its first messages (Reset) and the turns, (assistant
+    message, the env's answer): the tool branch (the call, the env's answer by Step, the final
+    answer) or the direct one (final answer at once). No tokenizer: safe to run in threads."""
+    t = TASKS[task]
+    env = t.make_env(sandbox)
     first = env.reset(row, seed)
     final = {"role": "assistant", "content": f"The answer is {row['reward_model']['ground_truth']}."}
     if not tool:
-        return episode_trace(codec, first, calc_tools(), [(final, [])])
-    args = {"expression": row["extra_info"]["expression"]}
-    call = {"role": "assistant", "content": "", "tool_calls": [openai_tool_call("call_0_0", "calc", args)]}
-    answer, done, _ = env.step(Action("", (ToolCall("call_0_0", "calc", json.dumps(args)),)))
-    assert not done, "calc ended the episode on a tool call"
-    return episode_trace(codec, first, calc_tools(), [(call, answer), (final, [])])
+        return first, [(final, [])]
+    args = t.arguments(row["extra_info"]["expression"])
+    call = {"role": "assistant", "content": "", "tool_calls": [openai_tool_call("call_0_0", t.tool, args)]}
+    answer, done, results = env.step(Action("", (ToolCall("call_0_0", t.tool, json.dumps(args)),)))
+    assert not done, f"{task} ended the episode on a tool call"
+    assert results[0].status == ToolStatus.OK, f"{task}: the warm start's own call failed: {answer}"
+    return first, [(call, answer), (final, [])]
 
 
-class CalcPlayer:
-    """A held-out episode against a ``CalcEnv``, the model's turns read as the generator reads
+def tool_trace(
+    codec: ChatCodec, row: dict, seed: int, tool: bool, task: str = "calc", sandbox: Any = None
+) -> Trace:
+    """One episode's trace (``tool_episode``) through the chat codec."""
+    first, turns = tool_episode(row, seed, tool, task, sandbox)
+    return episode_trace(codec, first, TASKS[task].tools(), turns)
+
+
+class ToolPlayer:
+    """A held-out episode against the task's env, the model's turns read as the generator reads
     them (hermes calls out of the completion's text, special tokens kept)."""
 
-    def __init__(self, codec: ChatCodec, row: dict, seed: int):
-        self.codec, self.env = codec, CalcEnv()
-        self.ids = codec.render(self.env.reset(row, seed), calc_tools())
+    def __init__(self, codec: ChatCodec, row: dict, seed: int, task: str = "calc", sandbox: Any = None):
+        self.codec, self.env = codec, TASKS[task].make_env(sandbox)
+        self.ids = codec.render(self.env.reset(row, seed), TASKS[task].tools())
         self.tool_calls, self.turns = 0, 0
 
     def step(self, completion: list[int]) -> list[dict] | None:
@@ -109,7 +149,15 @@ class CalcPlayer:
         return self.env.reward().reward >= 1.0
 
 
-def heldout(model, codec: ChatCodec, rows: list[dict], seed: int, sampled: bool = False) -> dict[str, float]:
+def heldout(
+    model,
+    codec: ChatCodec,
+    rows: list[dict],
+    seed: int,
+    sampled: bool = False,
+    task: str = "calc",
+    sandbox: Any = None,
+) -> dict[str, float]:
     """Held-out episodes, greedy (or sampled at temperature 1, seeded): tool calls per episode,
     accuracy, and accuracy with and without a tool call (None where no episode was)."""
     import torch
@@ -117,13 +165,13 @@ def heldout(model, codec: ChatCodec, rows: list[dict], seed: int, sampled: bool 
     from relayrl.common.modelkit.sft import greedy_generate
 
     torch.manual_seed(seed)
-    players = [CalcPlayer(codec, r, seed + i) for i, r in enumerate(rows)]
+    players = [ToolPlayer(codec, r, seed + i, task, sandbox) for i, r in enumerate(rows)]
     for start in range(0, len(players), 32):
         play(
             model,
             codec,
             players[start : start + 32],
-            calc_tools(),
+            TASKS[task].tools(),
             codec.tokenizer.pad_token_id,
             MAX_NEW_TOKENS,
             4,
@@ -141,22 +189,50 @@ def heldout(model, codec: ChatCodec, rows: list[dict], seed: int, sampled: bool 
     }
 
 
-def warm_start_calc(
-    out: Path, seed: int, steps: int, lr: float, batch_size: int, tool_share: float, n_heldout: int
+def start_sandbox(task: str) -> Any:
+    """The sandbox the task's env runs its tool in (its default config, the start-up probe
+    included), or None for an env that needs none."""
+    if not TASKS[task].env.needs_sandbox:
+        return None
+    from relayrl.common.sandbox import Sandbox, SandboxConfig, probe
+
+    sandbox = Sandbox.from_config(SandboxConfig())
+    probe(sandbox)  # SandboxUnsafe: no isolation, no warm start
+    return sandbox
+
+
+def warm_start_episodes(
+    out: Path,
+    task: str,
+    seed: int,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    tool_share: float,
+    n_heldout: int,
 ) -> dict[str, float]:
-    """Train the model folder ``out`` in place on calc traces; save it; the held-out measure."""
+    """Train the model folder ``out`` in place on the task's traces; save it; the held-out
+    measure. The traces' tool calls run as the env runs them (pyexec's in a sandbox, a few at
+    once)."""
     import torch
 
     torch.manual_seed(seed)
     model, tokenizer = load(out)
     codec = ChatCodec(tokenizer)
+    sandbox = start_sandbox(task)
     rows = generate("calc", min(steps * batch_size, 8192), seed=seed, split="train")
     pick = random.Random(seed)
-    traces = [calc_trace(codec, r, seed + i, pick.random() < tool_share) for i, r in enumerate(rows)]
+    branches = [pick.random() < tool_share for _ in rows]
+    with ThreadPoolExecutor(4) as pool:  # pyexec's calls wait on the sandbox, not the GIL
+        episodes = list(
+            pool.map(lambda i: tool_episode(rows[i], seed + i, branches[i], task, sandbox), range(len(rows)))
+        )
+    traces = [episode_trace(codec, first, TASKS[task].tools(), turns) for first, turns in episodes]
     loss = train_traces(model, traces, tokenizer.pad_token_id, steps, seed, lr, batch_size)
     model.save_pretrained(out, safe_serialization=True)
     test = generate("calc", n_heldout, seed=seed, split="test")
-    greedy, sampled = heldout(model, codec, test, seed), heldout(model, codec, test, seed, sampled=True)
+    greedy = heldout(model, codec, test, seed, task=task, sandbox=sandbox)
+    sampled = heldout(model, codec, test, seed, sampled=True, task=task, sandbox=sandbox)
     return {"final_loss": loss, **greedy, "sampled": sampled}
 
 
@@ -165,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m relayrl.warmstart", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="model folder to write (created)")
-    p.add_argument("--task", choices=TASKS, default="calc")
+    p.add_argument("--task", choices=sorted(TASKS), default="calc")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, tokenizer corpus and SFT data")
     p.add_argument("--sft-steps", type=int, default=500)
     p.add_argument("--sft-lr", type=float, default=1e-3)
@@ -175,9 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     t0 = time.monotonic()
-    out = write_tiny_model(args.out, seed=args.seed, tools=True, extra_corpus=calc_corpus(args.seed))
-    res = warm_start_calc(
-        out, args.seed, args.sft_steps, args.sft_lr, args.batch_size, args.tool_share, args.heldout
+    out = write_tiny_model(
+        args.out, seed=args.seed, tools=True, extra_corpus=tool_corpus(args.seed, args.task)
+    )
+    res = warm_start_episodes(
+        out, args.task, args.seed, args.sft_steps, args.sft_lr, args.batch_size, args.tool_share, args.heldout
     )
     update_card(
         out,

@@ -20,12 +20,15 @@ from relayrl.learner.config import LearnerConfig
 from relayrl.reward.config import RewardConfig
 
 Task = Literal["countdown", "arithmetic", "reverse", "calc", "guess"]  # the built-in tasks of the data kit
+TinyTask = Literal["countdown", "arithmetic", "reverse", "calc", "guess", "pyexec"]
+"""What a tiny model may be warm-started on: a data kit task, or an env whose warm start is on its
+episodes of a data kit task (``pyexec``: calc's rows, a python tool)."""
 
 
 class TinyModelSpec(StrictModel):
     """Build a tiny local model when ``model.path`` does not exist yet (demos, tests, CI)."""
 
-    task: Task | None = "reverse"
+    task: TinyTask | None = "reverse"
     """Task of the supervised warm start; None keeps the random init."""
     sft_steps: int = Field(150, ge=0, le=100_000)
     """Supervised warm-start steps (an R1-Zero-like starting point: RL then has room to improve)."""
@@ -34,13 +37,13 @@ class TinyModelSpec(StrictModel):
     sft_lr: float = Field(1e-3, gt=0, le=1)
     """Learning rate of the warm start."""
     tool_share: float = Field(0.5, ge=0, le=1)
-    """Tasks of an env with tools (``calc``): the share of warm-start episodes that call the tool
-    (the rest answer at once). Their warm start is multi-turn (``relayrl.warmstart``): episodes
-    rendered through the generator's chat codec, loss on the model's turns only, and the
-    tokenizer learns the env's tool text too."""
+    """Tasks of an env with tools (``calc``, ``pyexec``): the share of warm-start episodes that
+    call the tool (the rest answer at once). Their warm start is multi-turn
+    (``relayrl.warmstart``): episodes rendered through the generator's chat codec, loss on the
+    model's turns only, and the tokenizer learns the env's tool text too."""
 
 
-EPISODE_WARM_STARTS = ("calc",)
+EPISODE_WARM_STARTS = ("calc", "pyexec")
 """``model.tiny.task`` values whose warm start is on an env's episodes (``relayrl.warmstart``)."""
 
 
@@ -127,8 +130,8 @@ class EpisodesSection(StrictModel):
     Without this section every sample is one completion scored by the reward service."""
 
     env: str = Field(min_length=1, max_length=128)
-    """Name of the environment (built in: ``calc``, ``guess``; or a plugin's), as the env
-    service lists it. Each data row is one task; ``sampling.n`` episodes of it form a group."""
+    """Name of the environment (built in: ``calc``, ``guess``, ``pyexec`` when ``env.plugins``
+    names it; or a plugin's), as the env service lists it. Each data row is one task; ``sampling.n`` episodes of it form a group."""
     tool_format: Literal["", "hermes", "llama3_json"] = "hermes"
     """How the model writes tool calls, for the generator to read them: ``hermes`` (Qwen2.5,
     Hermes: <tool_call>{...}</tool_call>), ``llama3_json`` (Llama-3.1), or "" for none (a

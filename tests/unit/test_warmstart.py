@@ -32,7 +32,7 @@ from relayrl.env.v1 import env_pb2 as ev
 from relayrl.generator.bridge import ChatCodec
 from relayrl.generator.toolcalls import parse_tool_calls
 from relayrl.generator.v1 import generator_pb2 as g
-from relayrl.warmstart import CalcPlayer, calc_corpus, calc_tools, calc_trace
+from relayrl.warmstart import TASKS, ToolPlayer, tool_corpus, tool_trace
 
 ROWS = generate("calc", 6, seed=3, split="train")
 
@@ -43,8 +43,15 @@ def codec(tmp_path_factory):
     from transformers import AutoTokenizer
 
     out = tmp_path_factory.mktemp("calc-tok")
-    save_tokenizer(train_bpe(tokenizer_corpus(0, tools=True, extra=calc_corpus(0))), out, 1024)
+    save_tokenizer(train_bpe(tokenizer_corpus(0, tools=True, extra=tool_corpus(0))), out, 1024)
     return ChatCodec(AutoTokenizer.from_pretrained(out))
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    from relayrl.common.sandbox import Sandbox, SandboxConfig
+
+    return Sandbox.from_config(SandboxConfig(workers=1))
 
 
 def _model_text(codec, trace) -> list[str]:
@@ -62,7 +69,7 @@ def test_the_tool_branch_calls_calc_copies_its_answer_and_trains_on_the_model_tu
     row = ROWS[0]
     a, b = row["extra_info"]["expression"].split(" * ")
     product = int(a) * int(b)
-    trace = calc_trace(codec, row, 0, tool=True)
+    trace = tool_trace(codec, row, 0, tool=True)
     call = (
         f'<tool_call>\n{{"name": "calc", "arguments": {{"expression": "{a} * {b}"}}}}\n</tool_call><|im_end|>'
     )
@@ -72,21 +79,36 @@ def test_the_tool_branch_calls_calc_copies_its_answer_and_trains_on_the_model_tu
     first = CalcEnv().reset(row, 0)
     assert [m["role"] for m in first] == ["system", "user"]
     assert (
-        codec.decode(codec.render(first, calc_tools()))
+        codec.decode(codec.render(first, TASKS["calc"].tools()))
         == text[: text.index('<tool_call>\n{"name": "calc", "arguments": {"expression')]
     )
     assert (
         f"<|im_start|>user\n<tool_response>\n{product}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
         in text
     )
-    assert trace.ids[: len(codec.render(first, calc_tools()))] == codec.render(first, calc_tools())
+    assert trace.ids[: len(codec.render(first, TASKS["calc"].tools()))] == codec.render(
+        first, TASKS["calc"].tools()
+    )
+
+
+def test_the_pyexec_tool_branch_runs_print_a_times_b_in_the_sandbox(codec, sandbox):
+    row = ROWS[0]
+    expression = row["extra_info"]["expression"]
+    trace = tool_trace(codec, row, 0, True, "pyexec", sandbox)
+    call = f'<tool_call>\n{{"name": "python", "arguments": {{"code": "print({expression})"}}}}\n</tool_call><|im_end|>'
+    answer = row["reward_model"]["ground_truth"]
+    assert _model_text(codec, trace) == [call, f"The answer is {answer}.<|im_end|>"]
+    assert f"<tool_response>\n{answer}\n\n</tool_response>" in codec.decode(
+        trace.ids
+    )  # stdout, its newline kept
+    assert "python tool" in codec.decode(trace.ids[:40])  # pyexec's own system message
 
 
 def test_the_direct_branch_answers_at_once(codec):
     row = ROWS[1]
-    trace = calc_trace(codec, row, 0, tool=False)
+    trace = tool_trace(codec, row, 0, tool=False)
     assert _model_text(codec, trace) == [f"The answer is {row['reward_model']['ground_truth']}.<|im_end|>"]
-    assert trace.ids == codec.render(CalcEnv().reset(row, 0), calc_tools()) + [
+    assert trace.ids == codec.render(CalcEnv().reset(row, 0), TASKS["calc"].tools()) + [
         t for t, m in zip(trace.ids, trace.mask, strict=True) if m
     ]
 
@@ -110,8 +132,8 @@ def test_a_trace_is_a_full_render_of_the_dialogue_on_this_prefix_preserving_temp
     }
     answer, _, _ = env.step(Action("", (ToolCall("c", "calc", '{"expression": "1 + 2"}'),)))
     final = {"role": "assistant", "content": "The answer is 3."}
-    trace = episode_trace(codec, first, calc_tools(), [(call, answer), (final, [])])
-    whole = codec.render([*first, call, *answer, final], calc_tools(), add_generation_prompt=False)
+    trace = episode_trace(codec, first, TASKS["calc"].tools(), [(call, answer), (final, [])])
+    whole = codec.render([*first, call, *answer, final], TASKS["calc"].tools(), add_generation_prompt=False)
     assert whole[: len(trace.ids)] == trace.ids and codec.decode(whole[len(trace.ids) :]) == "\n"
 
 
@@ -158,20 +180,21 @@ class _Generator:
 
 
 class _Envs:
-    """The env service as the coordinator calls it, on a real ``CalcEnv`` in this process."""
+    """The env service as the coordinator calls it, on a real env of the task in this process."""
 
-    def __init__(self):
-        self.env = CalcEnv()
+    def __init__(self, task="calc", sandbox=None):
+        self.env = TASKS[task].make_env(sandbox)
+        self.tools = json.dumps(TASKS[task].env.tools)
 
     async def env_info(self, name):
-        return ev.EnvInfo(name=name, tools_json=json.dumps(CalcEnv.tools), expects_tools=True, max_turns=4)
+        return ev.EnvInfo(name=name, tools_json=self.tools, expects_tools=True, max_turns=4)
 
     async def reset(self, req):
         msgs = self.env.reset(json.loads(req.task_json), req.seed)
         return "env-0", ev.ResetResponse(
             session_id="s",
             messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in msgs],
-            tools_json=json.dumps(CalcEnv.tools),
+            tools_json=self.tools,
             max_turns=4,
         )
 
@@ -194,12 +217,12 @@ class _Envs:
         return ev.CloseResponse(reward=r.reward, outcome=ev.OUTCOME_OK)
 
 
-@pytest.mark.parametrize("tool", [True, False])
-def test_sft_ids_are_the_ids_of_the_rl_episode_of_the_same_actions(codec, tool):
+@pytest.mark.parametrize("task, tool", [("calc", True), ("calc", False), ("pyexec", True)])
+def test_sft_ids_are_the_ids_of_the_rl_episode_of_the_same_actions(codec, sandbox, task, tool):
     """Parity: the coordinator's episode (MultiTurn) through the generator's codec and the env,
     whose model turns are the trace's, gives the trace's ids and loss mask, and reward 1."""
     row = ROWS[3]
-    trace = calc_trace(codec, row, 0, tool)
+    trace = tool_trace(codec, row, 0, tool, task, sandbox)
     turns, run = [], []
     for t, m in zip(trace.ids, trace.mask, strict=True):  # the model's turns, as sampled
         if m:
@@ -209,13 +232,14 @@ def test_sft_ids_are_the_ids_of_the_rl_episode_of_the_same_actions(codec, tool):
     turns.append(run)
     cfg = SimpleNamespace(
         seed=0,
-        episodes=EpisodesSection(env="calc"),
+        episodes=EpisodesSection(env=task),
         sampling=SamplingSection(n=1, max_tokens=64),
         schedule=ScheduleSection(max_staleness=0),
         algorithm=AlgorithmSection(advantage="grpo"),
         services=ServicesSection(),
     )
-    ro = asyncio.run(MultiTurn(cfg, _Generator(codec, turns), _Envs()).rollout([("p0", row)], False, "s1", 0))
+    envs = _Envs(task, sandbox)
+    ro = asyncio.run(MultiTurn(cfg, _Generator(codec, turns), envs).rollout([("p0", row)], False, "s1", 0))
     ((_, (s,), (result,)),) = ro.groups
     assert [*s.prompt_token_ids, *s.completion_token_ids] == trace.ids
     mask = ro.mask(s) or [1.0] * len(s.completion_token_ids)  # None: every token the model's
@@ -226,20 +250,20 @@ def test_sft_ids_are_the_ids_of_the_rl_episode_of_the_same_actions(codec, tool):
 
 def test_a_held_out_player_reads_calls_as_the_generator_does_and_scores_by_the_env(codec):
     row = ROWS[4]
-    trace = calc_trace(codec, row, 0, tool=True)
-    first = codec.render(CalcEnv().reset(row, 0), calc_tools())
+    trace = tool_trace(codec, row, 0, tool=True)
+    first = codec.render(CalcEnv().reset(row, 0), TASKS["calc"].tools())
     model = [t for t, m in zip(trace.ids, trace.mask, strict=True) if m]
     cut = model.index(codec.tokenizer.convert_tokens_to_ids("<|im_end|>")) + 1
-    p = CalcPlayer(codec, row, 0)
+    p = ToolPlayer(codec, row, 0)
     assert p.ids == first
     answer = p.step(model[:cut])
     assert [m["content"] for m in answer] == [row["reward_model"]["ground_truth"]]
     assert (
-        codec.bridge([*first, *model[:cut]], answer, calc_tools())
+        codec.bridge([*first, *model[:cut]], answer, TASKS["calc"].tools())
         == trace.ids[: len(trace.ids) - len(model) + cut]
     )
     assert p.step(model[cut:]) is None and p.correct() and p.tool_calls == 1
-    wrong = CalcPlayer(codec, row, 0)
+    wrong = ToolPlayer(codec, row, 0)
     assert wrong.step(codec.encode("The answer is 12.<|im_end|>")) is None
     assert not wrong.correct() and wrong.tool_calls == 0
 
@@ -275,7 +299,7 @@ def test_the_shared_prefix_runs_once_with_the_same_loss_and_gradients(codec):
     from relayrl.common.modelkit.episodes import batch_loss, shared_prefix
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    traces = [calc_trace(codec, r, i, i % 2 == 0) for i, r in enumerate(ROWS)]
+    traces = [tool_trace(codec, r, i, i % 2 == 0) for i, r in enumerate(ROWS)]
     shared = shared_prefix(traces)
     assert shared > 200 and all(t.ids[:shared] == traces[0].ids[:shared] for t in traces)
     torch.manual_seed(0)

@@ -15,6 +15,8 @@ class SandboxedEnv(Env):
 
     def reset(self, task: dict, seed: int) -> list[dict]:
         result = self.sandbox.run_sync(task.get("code", "print('hi')"))
+        if result.verdict != "ok":
+            return [{"role": "user", "content": f"{result}"}]
         return [{"role": "user", "content": f"{result.verdict}: {result.stdout}"}]
 
     def step(self, action: Action) -> StepAnswer:

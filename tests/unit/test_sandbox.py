@@ -56,6 +56,19 @@ def test_rlimits_bind_every_resource():
 def test_bwrap_command_isolates_everything():
     argv = bwrap_argv("bwrap", "/usr/bin/python3", SandboxLimits(tmp_mb=8), {"main.py": 5, "t.json": 6}, 7)
     assert argv[:5] == ["setpriv", "--pdeathsig", "KILL", "--", "bwrap"]
+    rooted = bwrap_argv("bwrap", "/usr/bin/python3", SandboxLimits(), {"main.py": 5}, uid=61000)
+    assert rooted[:10] == [
+        "setpriv",
+        "--reuid",
+        "61000",
+        "--regid",
+        "61000",
+        "--clear-groups",
+        "--pdeathsig",
+        "KILL",
+        "--",
+        "bwrap",
+    ]
     for flag in ("--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts"):
         assert flag in argv
     for flag in (

@@ -3,11 +3,8 @@
 ``Sandbox.run`` (from the event loop) and ``Sandbox.run_sync`` (from a thread, e.g. an env's tool
 call) run one job each in a free worker slot; at most ``workers`` run at once, the rest wait in
 arrival order. A slot holds one job at a time and, when the service is root, a host user of its
-own: a job starts only after everything the previous one started in that slot is dead.
-
-Building a Sandbox makes the whole process a child subreaper (``PR_SET_CHILD_SUBREAPER``): each
-job's pid 1 is reparented here when bwrap's outer process exits, and reaped by the runner, so no
-zombie is left for a container's pid 1 (often the service itself) to collect.
+own (locked, so that no other sandbox on the machine uses it): a job starts only after everything
+the previous one started in that slot is dead.
 
 Never raises for what the code does (that is the :class:`RunResult`); raises
 ``SandboxUnavailable`` when the sandbox itself cannot run, and ``ValueError`` for a bad request
@@ -17,6 +14,7 @@ Never raises for what the code does (that is the :class:`RunResult`); raises
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import queue
@@ -32,9 +30,12 @@ from relayrl.common.sandbox.limits import (
     Tier,
     Verdict,
 )
-from relayrl.common.sandbox.runner import Job, Slot, become_subreaper, check_files, resolve_python, run_job
+from relayrl.common.sandbox.procs import kill_user
+from relayrl.common.sandbox.runner import Job, Slot, check_files, resolve_python, run_job
 
 logger = logging.getLogger(__name__)
+UID_LOCKS = "/run/lock/relayrl-sandbox-users" if os.path.isdir("/run/lock") else "/tmp/relayrl-sandbox-users"
+"""Where a root service locks the host users its slots run as (one file per user)."""
 
 
 class Sandbox:
@@ -62,11 +63,13 @@ class Sandbox:
         self.python = resolve_python(python)
         self.proc = proc
         self.bwrap = shutil.which(bwrap, path=f"/usr/bin:/bin:{os.environ.get('PATH', '')}") or bwrap
-        root = os.geteuid() == 0
-        become_subreaper()  # bwrap's pid 1 outlives bwrap: it must end here (runner.reap_init)
+        self._locks: list[int] = []
+        uids = self._claim_uids(uid_base, workers) if os.geteuid() == 0 else [None] * workers
+        self.uids: list[int] = [u for u in uids if u is not None]
+        """Host users of the slots (root only; empty otherwise)."""
         self._slots: queue.Queue[Slot] = queue.Queue()
-        for i in range(workers):
-            self._slots.put(Slot(i, uid_base + i if root else None))
+        for i, uid in enumerate(uids):
+            self._slots.put(Slot(i, uid))
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="sandbox")
 
     @classmethod
@@ -99,8 +102,32 @@ class Sandbox:
         return self._run(self._job(code, stdin, limits, files))
 
     def close(self) -> None:
-        """Stop taking async jobs (those running end under their own limits)."""
+        """Stop taking async jobs (those running end under their own limits); give the slots'
+        users back."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+        for fd in self._locks:
+            os.close(fd)
+        self._locks.clear()
+
+    def _claim_uids(self, base: int, count: int) -> list[int]:
+        """``count`` host users from ``base`` up that no other Sandbox on this machine holds (two
+        services, two test runs): an exclusive lock per user, held until ``close``. A slot kills
+        every process of its user, so no user may serve two sandboxes."""
+        os.makedirs(UID_LOCKS, mode=0o700, exist_ok=True)
+        uids: list[int] = []
+        for uid in range(base, base + 4096):
+            fd = os.open(f"{UID_LOCKS}/{uid}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self._locks.append(fd)
+            kill_user(uid)  # what a previous holder that died may have left
+            uids.append(uid)
+            if len(uids) == count:
+                return uids
+        raise SandboxUnavailable(f"no free sandbox user in {base}..{base + 4095}")
 
     def _job(
         self, code: str, stdin: str, limits: SandboxLimits | None, files: Mapping[str, str] | None

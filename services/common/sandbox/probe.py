@@ -100,7 +100,11 @@ def probe(sandbox: Sandbox | Tier = "full") -> ProbeReport:
     """Run the checks in ``sandbox`` (or in a default one of that tier). Raises SandboxUnsafe for
     tier ``full`` when a check fails or the sandbox does not start."""
     if isinstance(sandbox, str):
-        sandbox = Sandbox(sandbox)
+        own = Sandbox(sandbox)
+        try:
+            return probe(own)
+        finally:
+            own.close()
     report = ProbeReport(sandbox.tier, sandbox.python)
     try:
         for check in (_network, _memory, _fork, _processes):

@@ -5,7 +5,7 @@ In: the program's code, its stdin, files for its /tmp, limits and a worker slot.
 
 The full tier's command, outside in::
 
-    setpriv --pdeathsig KILL --        # the job dies with the thread that started it
+    setpriv [--reuid U ...] --pdeathsig KILL --  # the slot's user (root only); dies with the service
       bwrap <namespaces, mounts> --    # user, pid, net, ipc, uts, cgroup namespaces; read-only /usr
         prlimit <rlimits> --           # set inside the new user namespace, before the program runs
           /usr/bin/python3 -I -S -B /tmp/main.py
@@ -13,7 +13,7 @@ The full tier's command, outside in::
 Why the rlimits are set inside: RLIMIT_NPROC counts per user and user namespace and is checked at
 every level up to the host. Set inside, it bounds the job's own processes; set on bwrap outside,
 it would also count every thread of the service's user. It never binds uid 0, so a service run as
-root starts bwrap as a user of the slot's own (``uid_base + slot``): that user owns nothing else,
+root starts bwrap as a user of the slot's own (from ``uid_base`` up, locked): it owns nothing else,
 so every process a job leaves is found by its user and killed before the slot runs again.
 
 The process tree ends with its pid namespace: bwrap is pid 1 inside, holds the program and dies
@@ -27,7 +27,6 @@ An infrastructure failure (bwrap missing or refused, a fork that fails) raises
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 import re
@@ -41,14 +40,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from relayrl.common.sandbox.limits import RunResult, SandboxLimits, SandboxUnavailable, Tier, Verdict
+from relayrl.common.sandbox.procs import kill_user, reap_init
 
 MAIN = "main.py"
 """The program's file name in its /tmp (``files`` may not use it)."""
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 _MEMORY_ERROR = re.compile(r"^(?:[\w.]+\.)?\w*MemoryError\b")
 _MIB = 1 << 20
-_PR_SET_CHILD_SUBREAPER = 36
-_STATUS_UID = re.compile(rb"State:\s+(\S).*?\nUid:\s+(\d+)", re.S)
 _CHILD_PID = re.compile(rb'"child-pid"\s*:\s*(\d+)')
 
 
@@ -101,10 +99,11 @@ def bwrap_argv(
     fds: Mapping[str, int],
     status_fd: int | None = None,
     proc: bool = True,
+    uid: int | None = None,
 ) -> list[str]:
     """The full tier's command; ``fds`` maps each /tmp file name (main.py first) to the open file
     descriptor bwrap copies it from; bwrap reports its init's host pid on ``status_fd``."""
-    argv = ["setpriv", "--pdeathsig", "KILL", "--", bwrap]
+    argv = [*setpriv(uid), bwrap]
     argv += ["--unshare-user", "--uid", "65534", "--gid", "65534", "--disable-userns"]
     argv += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     if status_fd is not None:
@@ -131,22 +130,22 @@ def bwrap_argv(
     return argv
 
 
-def plain_argv(python: str, limits: SandboxLimits, nproc: bool) -> list[str]:
+def plain_argv(python: str, limits: SandboxLimits, nproc: bool, uid: int | None = None) -> list[str]:
     """The rlimits-only tier's command (run in a private temporary directory)."""
-    return [
-        "setpriv",
-        "--pdeathsig",
-        "KILL",
-        "--",
-        "prlimit",
-        *rlimit_args(limits, nproc),
-        "--",
-        python,
-        "-I",
-        "-S",
-        "-B",
-        MAIN,
-    ]
+    return [*setpriv(uid), "prlimit", *rlimit_args(limits, nproc), "--", python, "-I", "-S", "-B", MAIN]
+
+
+def setpriv(uid: int | None) -> list[str]:
+    """The command's head: become ``uid`` (its own group, no supplementary groups) when given, and
+    die with the service (SIGKILL when it exits, set after the user change, which clears it).
+    Changing the user here and not in the forked child lets Python spawn with vfork: no fork
+    handlers of the service's libraries (gRPC's) run in the child.
+
+    >>> setpriv(61000)
+    ['setpriv', '--reuid', '61000', '--regid', '61000', '--clear-groups', '--pdeathsig', 'KILL', '--']
+    """
+    user = [] if uid is None else ["--reuid", str(uid), "--regid", str(uid), "--clear-groups"]
+    return ["setpriv", *user, "--pdeathsig", "KILL", "--"]
 
 
 def verdict_of(
@@ -185,82 +184,6 @@ def looks_like_bwrap_failure(returncode: int, stdout: bytes, stderr: bytes) -> b
     return (returncode == 1 and stderr.startswith(b"bwrap: ")) or (
         returncode in (126, 127) and stderr.startswith(b"setpriv: failed to execute")
     )
-
-
-def pids_of_user(uid: int) -> list[tuple[int, bool]]:
-    """Host pids whose real user is ``uid``, each with whether it is a zombie (from
-    /proc/<pid>/status: a process cannot hide from it as it can from the owner of /proc/<pid>, by
-    turning non-dumpable)."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/status", "rb") as f:
-                status = f.read(4096)
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        m = _STATUS_UID.search(status)
-        if m and int(m.group(2)) == uid:
-            found.append((int(name), m.group(1) == b"Z"))
-    return found
-
-
-def kill_user(uid: int, timeout: float = 2.0) -> int:
-    """SIGKILL every live process of ``uid`` until none is left (root only), reaping the zombies
-    that are ours; the number still alive after ``timeout`` (0 normally). A process forking in a
-    loop is caught by the repeats."""
-    end = time.monotonic() + timeout
-    while True:
-        live = []
-        for pid, zombie in pids_of_user(uid):
-            if zombie:
-                _reap(pid)
-                continue
-            live.append(pid)
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if not live or time.monotonic() > end:
-            return len(live)
-        time.sleep(0.002)
-
-
-def become_subreaper() -> None:
-    """Make this process adopt its orphaned descendants (PR_SET_CHILD_SUBREAPER): bwrap's pid 1
-    outlives bwrap's outer process, and must be reaped here (``reap_init``)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
-
-
-def _reap(pid: int) -> bool:
-    """Reap ``pid`` if it is an ended child of ours; True once it is gone or not ours."""
-    try:
-        return os.waitpid(pid, os.WNOHANG)[0] == pid
-    except ChildProcessError:
-        return True
-
-
-def reap_init(pid: int, timeout: float = 2.0) -> bool:
-    """Wait for bwrap's pid 1 (``pid`` on the host) to end and reap it. bwrap's outer process
-    exits as soon as the program does, leaving its pid 1 to tear the namespace down (the kernel
-    kills what is left) and to be reparented: to this process, which ``Sandbox`` makes a child
-    subreaper, so it ends here, not as a zombie under a container's pid 1 that never reaps. Its
-    exit means the whole namespace is gone. False when it is still there after ``timeout``."""
-    end = time.monotonic() + timeout
-    pause = 0.0005
-    while not _reap(pid):
-        if time.monotonic() > end:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            return False
-        time.sleep(pause)
-        pause = min(pause * 2, 0.01)
-    return True
 
 
 def _memfd(name: str, text: str | bytes) -> int:
@@ -304,7 +227,7 @@ def run_job(
             for name, text in job.files.items():
                 fds[name] = _memfd(name, text)
             status = os.pipe()
-            argv, cwd = bwrap_argv(bwrap, python, job.limits, fds, status[1], proc), "/"
+            argv, cwd = bwrap_argv(bwrap, python, job.limits, fds, status[1], proc, slot.uid), "/"
         else:
             tmpdir = tempfile.mkdtemp(prefix="relayrl-sandbox-")
             for name, text in {MAIN: job.code, **job.files}.items():
@@ -313,7 +236,7 @@ def run_job(
             if slot.uid is not None:
                 for p in [tmpdir, *(os.path.join(tmpdir, n) for n in os.listdir(tmpdir))]:
                     os.chown(p, slot.uid, slot.uid)
-            argv, cwd = plain_argv(python, job.limits, nproc=slot.uid is not None), tmpdir
+            argv, cwd = plain_argv(python, job.limits, slot.uid is not None, slot.uid), tmpdir
         return _spawn_and_wait(argv, cwd, stdin_fd, list(fds.values()), job.limits, slot, status)
     finally:
         for fd in [stdin_fd, *fds.values(), *(status or ())]:
@@ -334,12 +257,11 @@ def _spawn_and_wait(
     via_bwrap = status is not None
     if status is not None:
         pass_fds = [*pass_fds, status[1]]
-    user = {} if slot.uid is None else {"user": slot.uid, "group": slot.uid, "extra_groups": []}
     start = time.monotonic()
     try:
         proc = subprocess.Popen(
             argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=pass_fds,
-            cwd=cwd, env={"PATH": "/usr/bin:/bin"}, start_new_session=True, **user,
+            cwd=cwd, env={"PATH": "/usr/bin:/bin"}, start_new_session=True,
         )  # fmt: skip
     except OSError as e:
         raise SandboxUnavailable(f"cannot start the sandbox ({argv[0]}): {e}") from e

@@ -84,6 +84,9 @@ def test_bwrap_command_isolates_everything():
     assert "--ro-bind /usr /usr" in joined and "--bind" not in joined.replace("--ro-bind", "")
     assert f"--size {8 << 20} --tmpfs /tmp" in joined and "--chdir /tmp" in joined
     assert "--file 5 /tmp/main.py --file 6 /tmp/t.json" in joined and "--json-status-fd 7" in joined
+    assert joined.index("--remount-ro /dev --remount-ro / ") > joined.index(
+        "--tmpfs /tmp"
+    )  # only /tmp takes writes
     sandboxed = argv[argv.index("--") + 1 :]
     sandboxed = sandboxed[sandboxed.index("--") + 1 :]
     assert sandboxed[0] == "prlimit" and sandboxed[-5:] == [

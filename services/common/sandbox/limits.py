@@ -80,9 +80,10 @@ class SandboxConfig(StrictModel):
     False where the container runtime masks paths of /proc (Docker's and Kubernetes' defaults):
     the kernel then refuses a new procfs in a user namespace, and the job runs without /proc."""
     uid_base: int = Field(61000, ge=1000, le=(1 << 31) - 4096)
-    """When the service runs as root: worker ``i`` runs its jobs as host user ``uid_base + i``
-    (a user no other process has), so RLIMIT_NPROC binds (it never binds uid 0) and every process
-    a job left is found by its user and killed. Unused otherwise (jobs run as the service's user,
+    """When the service runs as root: each worker runs its jobs as a host user of its own, the first
+    free ones from ``uid_base`` up (locked in /run/lock, so that two sandboxes never share one), so
+    RLIMIT_NPROC binds (it never binds uid 0) and every process a job left is found by its user and
+    killed. Unused otherwise (jobs run as the service's user,
     mapped to 65534 inside)."""
 
 

@@ -125,6 +125,9 @@ def bwrap_argv(
     argv += ["--size", str(limits.tmp_mb * _MIB), "--tmpfs", "/tmp"]
     for name, fd in fds.items():
         argv += ["--file", str(fd), f"/tmp/{name}"]
+    # bwrap builds / and /dev on tmpfs mounts of no set size: read-only, so that /tmp (sized) is
+    # the only place a job can write to memory (device nodes such as /dev/null still take writes).
+    argv += ["--remount-ro", "/dev", "--remount-ro", "/"]
     argv += ["--chdir", "/tmp", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp"]
     argv += ["--", "prlimit", *rlimit_args(limits), "--", python, "-I", "-S", "-B", f"/tmp/{MAIN}"]
     return argv

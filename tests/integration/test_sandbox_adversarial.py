@@ -257,3 +257,23 @@ print("parent done")
     result, took = timed(sandbox, code)
     assert result.verdict is Verdict.OK and result.stdout == "parent done\n", result
     assert took < 1.0  # the program's end ends its namespace: nothing waits for the daemon
+
+
+def test_memory_no_rlimit_counts_is_refused(sandbox, host):
+    """System V shared memory outlives its mapping, a memfd grows by write(), a POSIX message
+    queue lives in the kernel: none counts against RLIMIT_AS, so the seccomp filter refuses them."""
+    code = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+print("shmget", libc.shmget(0, 256 << 20, 0o1600), ctypes.get_errno())
+print("msgget", libc.msgget(0, 0o1600), ctypes.get_errno())
+print("mq_open", ctypes.CDLL("librt.so.1", use_errno=True).mq_open(b"/q", 0o100, 0o600, None), ctypes.get_errno())
+try:
+    os.memfd_create("hoard")
+    print("memfd created")
+except OSError as e:
+    print("memfd", e.errno)
+"""
+    result, took = timed(sandbox, code)
+    assert result.stdout.splitlines() == ["shmget -1 1", "msgget -1 1", "mq_open -1 1", "memfd 1"], result
+    assert took <= LIMITS.wall_seconds + 1

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 from relayrl.common.sandbox.limits import RunResult, SandboxLimits, SandboxUnavailable, Tier, Verdict
 from relayrl.common.sandbox.procs import kill_user, reap_init
+from relayrl.common.sandbox.seccomp import filter_program
 
 MAIN = "main.py"
 """The program's file name in its /tmp (``files`` may not use it)."""
@@ -100,6 +101,7 @@ def bwrap_argv(
     status_fd: int | None = None,
     proc: bool = True,
     uid: int | None = None,
+    seccomp_fd: int | None = None,
 ) -> list[str]:
     """The full tier's command; ``fds`` maps each /tmp file name (main.py first) to the open file
     descriptor bwrap copies it from; bwrap reports its init's host pid on ``status_fd``."""
@@ -128,6 +130,8 @@ def bwrap_argv(
     # bwrap builds / and /dev on tmpfs mounts of no set size: read-only, so that /tmp (sized) is
     # the only place a job can write to memory (device nodes such as /dev/null still take writes).
     argv += ["--remount-ro", "/dev", "--remount-ro", "/"]
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
     argv += ["--chdir", "/tmp", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp"]
     argv += ["--", "prlimit", *rlimit_args(limits), "--", python, "-I", "-S", "-B", f"/tmp/{MAIN}"]
     return argv
@@ -220,7 +224,8 @@ def run_job(
 ) -> tuple[RunResult, bool]:
     """Run ``job`` in ``slot``: its result, and whether it looks like bwrap failed to start (to
     be confirmed by the caller before it is believed)."""
-    fds: dict[str, int] = {}
+    fds: dict[str, int] = {}  # the job's files, copied into its /tmp by bwrap
+    extra: list[int] = []  # other descriptors bwrap reads (the seccomp filter)
     tmpdir = None
     stdin_fd = _memfd("stdin", job.stdin)
     status = None
@@ -230,7 +235,12 @@ def run_job(
             for name, text in job.files.items():
                 fds[name] = _memfd(name, text)
             status = os.pipe()
-            argv, cwd = bwrap_argv(bwrap, python, job.limits, fds, status[1], proc, slot.uid), "/"
+            program = filter_program()
+            if program is not None:
+                extra.append(_memfd("seccomp", program))
+            seccomp_fd = extra[0] if extra else None
+            argv = bwrap_argv(bwrap, python, job.limits, fds, status[1], proc, slot.uid, seccomp_fd)
+            cwd = "/"
         else:
             tmpdir = tempfile.mkdtemp(prefix="relayrl-sandbox-")
             for name, text in {MAIN: job.code, **job.files}.items():
@@ -240,9 +250,9 @@ def run_job(
                 for p in [tmpdir, *(os.path.join(tmpdir, n) for n in os.listdir(tmpdir))]:
                     os.chown(p, slot.uid, slot.uid)
             argv, cwd = plain_argv(python, job.limits, slot.uid is not None, slot.uid), tmpdir
-        return _spawn_and_wait(argv, cwd, stdin_fd, list(fds.values()), job.limits, slot, status)
+        return _spawn_and_wait(argv, cwd, stdin_fd, [*fds.values(), *extra], job.limits, slot, status)
     finally:
-        for fd in [stdin_fd, *fds.values(), *(status or ())]:
+        for fd in [stdin_fd, *fds.values(), *extra, *(status or ())]:
             os.close(fd)
         if tmpdir is not None:
             shutil.rmtree(tmpdir, ignore_errors=True)

@@ -41,7 +41,9 @@ class SandboxLimits(StrictModel):
     SIGKILL one second later (TIMEOUT)."""
     memory_mb: int = Field(512, ge=64, le=65536)
     """Address space of each process (RLIMIT_AS): an allocation past it fails (MemoryError,
-    verdict MEMORY). Python needs ~30 MB of it to start."""
+    verdict MEMORY). Python needs ~30 MB of it to start. Per process: without a memory cgroup (not
+    delegated here) a job's whole memory is bounded by ``processes`` x this plus ``tmp_mb`` (the
+    seccomp filter refuses the kernel memory no rlimit counts: System V IPC, memfds, queues)."""
     processes: int = Field(16, ge=4, le=4096)
     """Processes and threads the job may hold at once (RLIMIT_NPROC under a user of its own); the
     sandbox's own init counts as one. A fork past it fails with EAGAIN (a fork bomb stalls)."""

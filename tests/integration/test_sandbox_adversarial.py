@@ -49,10 +49,18 @@ def host(canary, sandbox):
     assert canary.poll() is None, "the host canary was killed"
     assert subprocess.run(["true"], check=False).returncode == 0, "the host cannot start a process"
     if os.geteuid() == 0:
-        left = [
-            p for uid in range(UID_BASE, UID_BASE + WORKERS) for p, zombie in pids_of_user(uid) if not zombie
-        ]
-        assert left == [], f"processes of the job survive: {left}"
+        assert len(sandbox.uids) == WORKERS  # users of its own, locked: another run never shares them
+        left = [p for uid in sandbox.uids for p, zombie in pids_of_user(uid) if not zombie]
+        assert left == [], f"processes of the job survive: {[_describe(p) for p in left[:3]]} of {len(left)}"
+
+
+def _describe(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return " ".join(f"{k}={fields[k].split()}" for k in ("State", "PPid", "Uid", "NSpid") if k in fields)
+    except OSError as e:
+        return f"{pid}: {e}"
 
 
 def timed(sandbox: Sandbox, code: str, **kw):

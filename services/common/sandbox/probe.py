@@ -1,6 +1,7 @@
 """The fail-loud start-up probe: before a service serves, check that the sandbox contains code.
 
-Four hostile programs run in the sandbox under its own limits (the wall clock raised to 5 s):
+A program that prints "ok" must run (else: the sandbox cannot run code at all); then four hostile
+programs run in the sandbox under its own limits (the wall clock raised to 5 s):
 
 * ``network``: the host listens on a free port of its own 127.0.0.1; the program lists its
   interfaces and connects to that port. Nothing may arrive and only ``lo`` may be seen. No other
@@ -107,6 +108,11 @@ def probe(sandbox: Sandbox | Tier = "full") -> ProbeReport:
             own.close()
     report = ProbeReport(sandbox.tier, sandbox.python)
     try:
+        hello = sandbox.run_sync("print('ok')", limits=_limits(sandbox))
+        if (hello.verdict, hello.stdout) != (Verdict.OK, "ok\n"):
+            raise SandboxUnavailable(
+                f"a program that prints 'ok' ended {hello.verdict}: {hello.stderr.strip()[:300]}"
+            )
         for check in (_network, _memory, _fork, _processes):
             start = time.monotonic()
             ok, detail = check(sandbox)

@@ -65,7 +65,8 @@ class SandboxConfig(StrictModel):
     """``full``: bubblewrap with every namespace (no network, no host processes or files), as a
     user of its own, under rlimits; the service refuses to start when the start-up probe finds it
     missing. ``rlimits-only``: a plain child process under rlimits, no namespaces (the code can
-    reach the network and read what the service's user can): only for trusted code or machines
+    reach the network and read what the service's user can; a service not run as root cannot set
+    the process limit, which would count its own threads): only for trusted code or machines
     without user namespaces, chosen explicitly."""
     limits: SandboxLimits = Field(default_factory=SandboxLimits)
     """Limits of a run that names none."""

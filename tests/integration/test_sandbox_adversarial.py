@@ -285,3 +285,21 @@ except OSError as e:
     result, took = timed(sandbox, code)
     assert result.stdout.splitlines() == ["shmget -1 1", "msgget -1 1", "mq_open -1 1", "memfd 1"], result
     assert took <= LIMITS.wall_seconds + 1
+
+
+@pytest.mark.parametrize("proc", [True, False])
+def test_no_nested_user_namespace(host, proc):
+    """In a user namespace of its own the job would be root again (and could mount an unsized
+    tmpfs): refused with /proc (bwrap's --disable-userns and the filter) and without (the filter)."""
+    box = Sandbox("full", LIMITS, workers=1, proc=proc)
+    try:
+        code = (
+            "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "print(libc.unshare(0x10000000), ctypes.get_errno())\n"
+            "print(libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0), ctypes.get_errno())\n"  # raw clone
+        )
+        result, took = timed(box, code)
+        assert result.stdout.splitlines() == ["-1 1", "-1 1"], result
+        assert took <= LIMITS.wall_seconds + 1
+    finally:
+        box.close()

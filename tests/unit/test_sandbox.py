@@ -213,7 +213,7 @@ def test_probe_refuses_a_missing_bwrap():
 def test_rlimits_only_reports_what_it_lacks():
     report = probe(Sandbox("rlimits-only"))
     assert report.tier == "rlimits-only" and not report.isolated
-    assert {c.name for c in report.failed} >= {"network", "processes"}
+    assert {c.name for c in report.failed} >= {"network", "processes", "userns"}
     by_name = {c.name: c for c in report.checks}
     assert by_name["memory"].ok
     if os.geteuid() == 0:  # a user of its own: the process limit binds
@@ -224,7 +224,7 @@ def test_rlimits_only_reports_what_it_lacks():
 def test_full_probe_passes_here():
     report = probe("full")
     assert report.isolated, report.summary()
-    assert [c.name for c in report.checks] == ["network", "memory", "fork", "processes"]
+    assert [c.name for c in report.checks] == ["network", "memory", "fork", "processes", "userns"]
 
 
 @needs_bwrap

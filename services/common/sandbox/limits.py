@@ -79,9 +79,11 @@ class SandboxConfig(StrictModel):
     bwrap: str = Field("bwrap", min_length=1, max_length=4096)
     """The bubblewrap executable (a name looked up in PATH, or a path)."""
     proc: bool = True
-    """Mount a /proc of the sandbox's own pid namespace (it shows only the job's processes). Set
-    False where the container runtime masks paths of /proc (Docker's and Kubernetes' defaults):
-    the kernel then refuses a new procfs in a user namespace, and the job runs without /proc."""
+    """Mount a /proc of the sandbox's own pid namespace (it shows only the job's processes) and let
+    bwrap forbid nested user namespaces (``--disable-userns``, which writes /proc/sys). Set False
+    in containers whose runtime masks /proc and mounts /proc/sys read-only (Docker's and
+    Kubernetes' defaults): the kernel then refuses a new procfs, so the job runs without /proc,
+    and the seccomp filter alone refuses nested user namespaces (x86-64)."""
     uid_base: int = Field(61000, ge=1000, le=(1 << 31) - 4096)
     """When the service runs as root: each worker runs its jobs as a host user of its own, the first
     free ones from ``uid_base`` up (locked in /run/lock, so that two sandboxes never share one), so

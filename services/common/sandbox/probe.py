@@ -1,6 +1,6 @@
 """The fail-loud start-up probe: before a service serves, check that the sandbox contains code.
 
-A program that prints "ok" must run (else: the sandbox cannot run code at all); then four hostile
+A program that prints "ok" must run (else: the sandbox cannot run code at all); then five hostile
 programs run in the sandbox under its own limits (the wall clock raised to 5 s):
 
 * ``network``: the host listens on a free port of its own 127.0.0.1; the program lists its
@@ -10,6 +10,7 @@ programs run in the sandbox under its own limits (the wall clock raised to 5 s):
 * ``fork``: forking up to 4x the process limit must stop before the limit, and the host must
   still start a process afterwards.
 * ``processes``: /proc must show only the sandbox's own pids, and the program must not be root.
+* ``userns``: a nested user namespace (where the job would be root again) must be refused.
 
 Tier ``full`` raises ``SandboxUnsafe`` naming every failed check (and when the sandbox cannot
 start at all); tier ``rlimits-only`` was chosen knowing that ``network`` and ``processes`` fail,
@@ -59,6 +60,11 @@ try:
 except OSError:
     blocked = True
 print(n, blocked, flush=True)
+"""
+_USERNS = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+print(libc.unshare(0x10000000), ctypes.get_errno())
 """
 _PROCESSES = """
 import os
@@ -113,7 +119,7 @@ def probe(sandbox: Sandbox | Tier = "full") -> ProbeReport:
             raise SandboxUnavailable(
                 f"a program that prints 'ok' ended {hello.verdict}: {hello.stderr.strip()[:300]}"
             )
-        for check in (_network, _memory, _fork, _processes):
+        for check in (_network, _memory, _fork, _processes, _userns):
             start = time.monotonic()
             ok, detail = check(sandbox)
             report.checks.append(Check(check.__name__.lstrip("_"), ok, detail, time.monotonic() - start))
@@ -187,3 +193,9 @@ def _processes(sandbox: Sandbox) -> tuple[bool, str]:
         return False, f"the check did not run: {result.verdict} {result.stderr.strip()[-200:]}"
     ok = int(uid) != 0 and len(pids) <= 3
     return ok, f"uid inside: {uid}; pids visible: {len(pids)}"
+
+
+def _userns(sandbox: Sandbox) -> tuple[bool, str]:
+    result = sandbox.run_sync(_USERNS, limits=_limits(sandbox))
+    refused = result.stdout.startswith("-1 ")
+    return refused, f"unshare(CLONE_NEWUSER): {'refused' if refused else 'allowed'} ({result.stdout.strip()})"

@@ -106,7 +106,9 @@ def bwrap_argv(
     """The full tier's command; ``fds`` maps each /tmp file name (main.py first) to the open file
     descriptor bwrap copies it from; bwrap reports its init's host pid on ``status_fd``."""
     argv = [*setpriv(uid), bwrap]
-    argv += ["--unshare-user", "--uid", "65534", "--gid", "65534", "--disable-userns"]
+    argv += ["--unshare-user", "--uid", "65534", "--gid", "65534"]
+    if proc:  # it writes /proc/sys, which container runtimes mount read-only (seccomp refuses too)
+        argv += ["--disable-userns"]
     argv += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     if status_fd is not None:
         argv += ["--json-status-fd", str(status_fd)]

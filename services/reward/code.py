@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relayrl.common.sandbox import RunResult, Sandbox, SandboxConfig, SandboxLimits, Verdict, probe
-from relayrl.reward.scorers import ScoreResult
+from relayrl.reward.result import ScoreResult
 
 MAX_TESTS = 100
 """More tests than this in one ground truth is a malformed sample (ValueError: ERROR)."""

@@ -36,9 +36,10 @@ import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
+
+from relayrl.reward.result import ScoreResult
 
 FORMAT_SCORE = 0.1
 """TinyZero's reward for an answer in the right format that is wrong."""
@@ -55,14 +56,6 @@ MAX_MATH_ANSWER_CHARS = 2000
 _EQUATION_CHARS = frozenset("0123456789+-*/() \t\n")
 """What a countdown equation may be written with: Python's other integer spellings (``0x3d``,
 ``0b1010001``, ``9_1``), comments and names never reach the parser."""
-
-
-@dataclass(frozen=True)
-class ScoreResult:
-    """What a scorer returns: the total reward and its named parts."""
-
-    reward: float
-    components: dict[str, float] = field(default_factory=dict)
 
 
 Scorer = Callable[[str, Any, dict], ScoreResult]

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from relayrl.common.v1 import common_pb2 as relayrl_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18relayrl/env/v1/env.proto\x12\x0erelayrl.env.v1\x1a\x1erelayrl/common/v1/common.proto\"j\n\x07\x45nvInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\ntools_json\x18\x02 \x01(\t\x12\x15\n\rexpects_tools\x18\x03 \x01(\x08\x12\x11\n\tmax_turns\x18\x04 \x01(\r\x12\x13\n\x0b\x64\x65scription\x18\x05 \x01(\t\"\x11\n\x0fListEnvsRequest\"\x90\x01\n\x10ListEnvsResponse\x12%\n\x04\x65nvs\x18\x01 \x03(\x0b\x32\x17.relayrl.env.v1.EnvInfo\x12\x14\n\x0cmax_sessions\x18\x02 \x01(\r\x12\x15\n\ropen_sessions\x18\x03 \x01(\r\x12\x12\n\nreplica_id\x18\x04 \x01(\t\x12\x14\n\x0csandbox_tier\x18\x05 \x01(\t\"u\n\x0cResetRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03\x65nv\x18\x02 \x01(\t\x12\x11\n\ttask_json\x18\x03 \x01(\t\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\nepisode_id\x18\x05 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\r\"\x93\x01\n\rResetResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x30\n\x08messages\x18\x02 \x03(\x0b\x32\x1e.relayrl.common.v1.ChatMessage\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\x12\x11\n\tmax_turns\x18\x05 \x01(\r\"\x7f\n\x06\x41\x63tion\x12\x0c\n\x04text\x18\x01 \x01(\t\x12/\n\ntool_calls\x18\x02 \x03(\x0b\x32\x1b.relayrl.common.v1.ToolCall\x12\x36\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1f.relayrl.common.v1.FinishReason\"q\n\x0bStepRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x12\n\nstep_index\x18\x03 \x01(\r\x12&\n\x06\x61\x63tion\x18\x04 \x01(\x0b\x32\x16.relayrl.env.v1.Action\"\\\n\nToolResult\x12\x14\n\x0ctool_call_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12*\n\x06status\x18\x03 \x01(\x0e\x32\x1a.relayrl.env.v1.ToolStatus\"\x84\x01\n\x0cStepResponse\x12\x34\n\x0cobservations\x18\x01 \x03(\x0b\x32\x1e.relayrl.common.v1.ChatMessage\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x30\n\x0ctool_results\x18\x03 \x03(\x0b\x32\x1a.relayrl.env.v1.ToolResult\"6\n\x0c\x43loseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"\xed\x01\n\rCloseResponse\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12\x41\n\ncomponents\x18\x02 \x03(\x0b\x32-.relayrl.env.v1.CloseResponse.ComponentsEntry\x12(\n\x07outcome\x18\x03 \x01(\x0e\x32\x17.relayrl.env.v1.Outcome\x12\x14\n\x0c\x66\x61ilure_kind\x18\x04 \x01(\t\x12\x16\n\x0e\x66\x61ilure_reason\x18\x05 \x01(\t\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\xea\x01\n\nToolStatus\x12\x1b\n\x17TOOL_STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0eTOOL_STATUS_OK\x10\x01\x12\x1c\n\x18TOOL_STATUS_INVALID_ARGS\x10\x02\x12\x1c\n\x18TOOL_STATUS_UNKNOWN_TOOL\x10\x03\x12\x17\n\x13TOOL_STATUS_TIMEOUT\x10\x04\x12\x17\n\x13TOOL_STATUS_CRASHED\x10\x05\x12 \n\x1cTOOL_STATUS_OUTPUT_TRUNCATED\x10\x06\x12\x1b\n\x17TOOL_STATUS_PARSE_ERROR\x10\x07*V\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0e\n\nOUTCOME_OK\x10\x01\x12\x10\n\x0cOUTCOME_MASK\x10\x02\x12\x10\n\x0cOUTCOME_REDO\x10\x03\x32\xaa\x02\n\nEnvService\x12M\n\x08ListEnvs\x12\x1f.relayrl.env.v1.ListEnvsRequest\x1a .relayrl.env.v1.ListEnvsResponse\x12\x44\n\x05Reset\x12\x1c.relayrl.env.v1.ResetRequest\x1a\x1d.relayrl.env.v1.ResetResponse\x12\x41\n\x04Step\x12\x1b.relayrl.env.v1.StepRequest\x1a\x1c.relayrl.env.v1.StepResponse\x12\x44\n\x05\x43lose\x12\x1c.relayrl.env.v1.CloseRequest\x1a\x1d.relayrl.env.v1.CloseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18relayrl/env/v1/env.proto\x12\x0erelayrl.env.v1\x1a\x1erelayrl/common/v1/common.proto\"}\n\x07\x45nvInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\ntools_json\x18\x02 \x01(\t\x12\x15\n\rexpects_tools\x18\x03 \x01(\x08\x12\x11\n\tmax_turns\x18\x04 \x01(\r\x12\x13\n\x0b\x64\x65scription\x18\x05 \x01(\t\x12\x11\n\tblack_box\x18\x06 \x01(\x08\"\x11\n\x0fListEnvsRequest\"\x90\x01\n\x10ListEnvsResponse\x12%\n\x04\x65nvs\x18\x01 \x03(\x0b\x32\x17.relayrl.env.v1.EnvInfo\x12\x14\n\x0cmax_sessions\x18\x02 \x01(\r\x12\x15\n\ropen_sessions\x18\x03 \x01(\r\x12\x12\n\nreplica_id\x18\x04 \x01(\t\x12\x14\n\x0csandbox_tier\x18\x05 \x01(\t\"\xa7\x01\n\x0cResetRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03\x65nv\x18\x02 \x01(\t\x12\x11\n\ttask_json\x18\x03 \x01(\t\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\nepisode_id\x18\x05 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\r\x12\x30\n\x07gateway\x18\x07 \x01(\x0b\x32\x1f.relayrl.env.v1.GatewayEndpoint\"C\n\x0fGatewayEndpoint\x12\x10\n\x08\x62\x61se_url\x18\x01 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\"\x93\x01\n\rResetResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x30\n\x08messages\x18\x02 \x03(\x0b\x32\x1e.relayrl.common.v1.ChatMessage\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\x12\x11\n\tmax_turns\x18\x05 \x01(\r\"\x7f\n\x06\x41\x63tion\x12\x0c\n\x04text\x18\x01 \x01(\t\x12/\n\ntool_calls\x18\x02 \x03(\x0b\x32\x1b.relayrl.common.v1.ToolCall\x12\x36\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1f.relayrl.common.v1.FinishReason\"q\n\x0bStepRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x12\n\nstep_index\x18\x03 \x01(\r\x12&\n\x06\x61\x63tion\x18\x04 \x01(\x0b\x32\x16.relayrl.env.v1.Action\"\\\n\nToolResult\x12\x14\n\x0ctool_call_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12*\n\x06status\x18\x03 \x01(\x0e\x32\x1a.relayrl.env.v1.ToolStatus\"\x84\x01\n\x0cStepResponse\x12\x34\n\x0cobservations\x18\x01 \x03(\x0b\x32\x1e.relayrl.common.v1.ChatMessage\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x30\n\x0ctool_results\x18\x03 \x03(\x0b\x32\x1a.relayrl.env.v1.ToolResult\"6\n\x0c\x43loseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"\xed\x01\n\rCloseResponse\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12\x41\n\ncomponents\x18\x02 \x03(\x0b\x32-.relayrl.env.v1.CloseResponse.ComponentsEntry\x12(\n\x07outcome\x18\x03 \x01(\x0e\x32\x17.relayrl.env.v1.Outcome\x12\x14\n\x0c\x66\x61ilure_kind\x18\x04 \x01(\t\x12\x16\n\x0e\x66\x61ilure_reason\x18\x05 \x01(\t\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\xea\x01\n\nToolStatus\x12\x1b\n\x17TOOL_STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0eTOOL_STATUS_OK\x10\x01\x12\x1c\n\x18TOOL_STATUS_INVALID_ARGS\x10\x02\x12\x1c\n\x18TOOL_STATUS_UNKNOWN_TOOL\x10\x03\x12\x17\n\x13TOOL_STATUS_TIMEOUT\x10\x04\x12\x17\n\x13TOOL_STATUS_CRASHED\x10\x05\x12 \n\x1cTOOL_STATUS_OUTPUT_TRUNCATED\x10\x06\x12\x1b\n\x17TOOL_STATUS_PARSE_ERROR\x10\x07*V\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0e\n\nOUTCOME_OK\x10\x01\x12\x10\n\x0cOUTCOME_MASK\x10\x02\x12\x10\n\x0cOUTCOME_REDO\x10\x03\x32\xaa\x02\n\nEnvService\x12M\n\x08ListEnvs\x12\x1f.relayrl.env.v1.ListEnvsRequest\x1a .relayrl.env.v1.ListEnvsResponse\x12\x44\n\x05Reset\x12\x1c.relayrl.env.v1.ResetRequest\x1a\x1d.relayrl.env.v1.ResetResponse\x12\x41\n\x04Step\x12\x1b.relayrl.env.v1.StepRequest\x1a\x1c.relayrl.env.v1.StepResponse\x12\x44\n\x05\x43lose\x12\x1c.relayrl.env.v1.CloseRequest\x1a\x1d.relayrl.env.v1.CloseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,34 +34,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CLOSERESPONSE_COMPONENTSENTRY']._loaded_options = None
   _globals['_CLOSERESPONSE_COMPONENTSENTRY']._serialized_options = b'8\001'
-  _globals['_TOOLSTATUS']._serialized_start=1389
-  _globals['_TOOLSTATUS']._serialized_end=1623
-  _globals['_OUTCOME']._serialized_start=1625
-  _globals['_OUTCOME']._serialized_end=1711
+  _globals['_TOOLSTATUS']._serialized_start=1528
+  _globals['_TOOLSTATUS']._serialized_end=1762
+  _globals['_OUTCOME']._serialized_start=1764
+  _globals['_OUTCOME']._serialized_end=1850
   _globals['_ENVINFO']._serialized_start=76
-  _globals['_ENVINFO']._serialized_end=182
-  _globals['_LISTENVSREQUEST']._serialized_start=184
-  _globals['_LISTENVSREQUEST']._serialized_end=201
-  _globals['_LISTENVSRESPONSE']._serialized_start=204
-  _globals['_LISTENVSRESPONSE']._serialized_end=348
-  _globals['_RESETREQUEST']._serialized_start=350
-  _globals['_RESETREQUEST']._serialized_end=467
-  _globals['_RESETRESPONSE']._serialized_start=470
-  _globals['_RESETRESPONSE']._serialized_end=617
-  _globals['_ACTION']._serialized_start=619
-  _globals['_ACTION']._serialized_end=746
-  _globals['_STEPREQUEST']._serialized_start=748
-  _globals['_STEPREQUEST']._serialized_end=861
-  _globals['_TOOLRESULT']._serialized_start=863
-  _globals['_TOOLRESULT']._serialized_end=955
-  _globals['_STEPRESPONSE']._serialized_start=958
-  _globals['_STEPRESPONSE']._serialized_end=1090
-  _globals['_CLOSEREQUEST']._serialized_start=1092
-  _globals['_CLOSEREQUEST']._serialized_end=1146
-  _globals['_CLOSERESPONSE']._serialized_start=1149
-  _globals['_CLOSERESPONSE']._serialized_end=1386
-  _globals['_CLOSERESPONSE_COMPONENTSENTRY']._serialized_start=1337
-  _globals['_CLOSERESPONSE_COMPONENTSENTRY']._serialized_end=1386
-  _globals['_ENVSERVICE']._serialized_start=1714
-  _globals['_ENVSERVICE']._serialized_end=2012
+  _globals['_ENVINFO']._serialized_end=201
+  _globals['_LISTENVSREQUEST']._serialized_start=203
+  _globals['_LISTENVSREQUEST']._serialized_end=220
+  _globals['_LISTENVSRESPONSE']._serialized_start=223
+  _globals['_LISTENVSRESPONSE']._serialized_end=367
+  _globals['_RESETREQUEST']._serialized_start=370
+  _globals['_RESETREQUEST']._serialized_end=537
+  _globals['_GATEWAYENDPOINT']._serialized_start=539
+  _globals['_GATEWAYENDPOINT']._serialized_end=606
+  _globals['_RESETRESPONSE']._serialized_start=609
+  _globals['_RESETRESPONSE']._serialized_end=756
+  _globals['_ACTION']._serialized_start=758
+  _globals['_ACTION']._serialized_end=885
+  _globals['_STEPREQUEST']._serialized_start=887
+  _globals['_STEPREQUEST']._serialized_end=1000
+  _globals['_TOOLRESULT']._serialized_start=1002
+  _globals['_TOOLRESULT']._serialized_end=1094
+  _globals['_STEPRESPONSE']._serialized_start=1097
+  _globals['_STEPRESPONSE']._serialized_end=1229
+  _globals['_CLOSEREQUEST']._serialized_start=1231
+  _globals['_CLOSEREQUEST']._serialized_end=1285
+  _globals['_CLOSERESPONSE']._serialized_start=1288
+  _globals['_CLOSERESPONSE']._serialized_end=1525
+  _globals['_CLOSERESPONSE_COMPONENTSENTRY']._serialized_start=1476
+  _globals['_CLOSERESPONSE_COMPONENTSENTRY']._serialized_end=1525
+  _globals['_ENVSERVICE']._serialized_start=1853
+  _globals['_ENVSERVICE']._serialized_end=2151
 # @@protoc_insertion_point(module_scope)

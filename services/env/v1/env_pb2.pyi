@@ -39,18 +39,20 @@ OUTCOME_MASK: Outcome
 OUTCOME_REDO: Outcome
 
 class EnvInfo(_message.Message):
-    __slots__ = ("name", "tools_json", "expects_tools", "max_turns", "description")
+    __slots__ = ("name", "tools_json", "expects_tools", "max_turns", "description", "black_box")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     EXPECTS_TOOLS_FIELD_NUMBER: _ClassVar[int]
     MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    BLACK_BOX_FIELD_NUMBER: _ClassVar[int]
     name: str
     tools_json: str
     expects_tools: bool
     max_turns: int
     description: str
-    def __init__(self, name: _Optional[str] = ..., tools_json: _Optional[str] = ..., expects_tools: _Optional[bool] = ..., max_turns: _Optional[int] = ..., description: _Optional[str] = ...) -> None: ...
+    black_box: bool
+    def __init__(self, name: _Optional[str] = ..., tools_json: _Optional[str] = ..., expects_tools: _Optional[bool] = ..., max_turns: _Optional[int] = ..., description: _Optional[str] = ..., black_box: _Optional[bool] = ...) -> None: ...
 
 class ListEnvsRequest(_message.Message):
     __slots__ = ()
@@ -71,20 +73,32 @@ class ListEnvsResponse(_message.Message):
     def __init__(self, envs: _Optional[_Iterable[_Union[EnvInfo, _Mapping]]] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., replica_id: _Optional[str] = ..., sandbox_tier: _Optional[str] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
-    __slots__ = ("request_id", "env", "task_json", "seed", "episode_id", "attempt")
+    __slots__ = ("request_id", "env", "task_json", "seed", "episode_id", "attempt", "gateway")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENV_FIELD_NUMBER: _ClassVar[int]
     TASK_JSON_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     env: str
     task_json: str
     seed: int
     episode_id: str
     attempt: int
-    def __init__(self, request_id: _Optional[str] = ..., env: _Optional[str] = ..., task_json: _Optional[str] = ..., seed: _Optional[int] = ..., episode_id: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
+    gateway: GatewayEndpoint
+    def __init__(self, request_id: _Optional[str] = ..., env: _Optional[str] = ..., task_json: _Optional[str] = ..., seed: _Optional[int] = ..., episode_id: _Optional[str] = ..., attempt: _Optional[int] = ..., gateway: _Optional[_Union[GatewayEndpoint, _Mapping]] = ...) -> None: ...
+
+class GatewayEndpoint(_message.Message):
+    __slots__ = ("base_url", "api_key", "model")
+    BASE_URL_FIELD_NUMBER: _ClassVar[int]
+    API_KEY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    base_url: str
+    api_key: str
+    model: str
+    def __init__(self, base_url: _Optional[str] = ..., api_key: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ResetResponse(_message.Message):
     __slots__ = ("session_id", "messages", "tools_json", "lease_seconds", "max_turns")

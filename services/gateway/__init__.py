@@ -1,0 +1,1 @@
+"""The gateway service: an OpenAI-compatible API for black-box agents, recording token-exact trajectories."""

@@ -15,6 +15,31 @@ from collections.abc import Sequence
 
 from relayrl.common.v1 import common_pb2
 
+TEMPLATE_TOKENS_PER_MESSAGE = 64
+"""Tokens a chat template adds around one appended message, at most (role headers, tool-answer
+tags, the generation prompt): with one token per byte of content at most (byte-level BPE), the
+bound on a turn's appended tokens that keeps the next prompt inside the episode's budget."""
+
+
+def turn_room(
+    max_tokens: int, max_episode_tokens: int, used: int, appended: Sequence[common_pb2.ChatMessage]
+) -> int:
+    """Most tokens the next turn may generate: ``max_tokens``, and what the episode's budget
+    (``max_episode_tokens`` after its first prompt) leaves after the ``used`` tokens so far and an
+    upper estimate of the ``appended`` messages' tokens. Below 1: the episode is out of room.
+
+    >>> m = common_pb2.ChatMessage(role="tool", content="56088")
+    >>> turn_room(48, 160, 20, [m]), turn_room(48, 100, 20, [m])
+    (48, 11)
+    """
+    bound = sum(
+        len(m.content.encode())
+        + sum(len(c.arguments_json) for c in m.tool_calls)
+        + TEMPLATE_TOKENS_PER_MESSAGE
+        for m in appended
+    )
+    return min(max_tokens, max_episode_tokens - used - bound)
+
 
 class PrefixViolation(RuntimeError):
     """A turn's prompt does not start with the previous turn's exact tokens: the generator

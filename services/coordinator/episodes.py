@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import grpc
+from relayrl.common.trajectories import assemble, check_prefix, segments_sample, turn_room
 from relayrl.common.v1 import common_pb2
 from relayrl.coordinator.batch import Rollout
 from relayrl.coordinator.clients import GeneratorPool
@@ -42,7 +43,6 @@ from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.envs import EnvPool, EpisodeLost
 from relayrl.coordinator.episode_records import Episode, episode_stats, write_trace
 from relayrl.coordinator.errors import RunFailure
-from relayrl.coordinator.trajectories import assemble, check_prefix, segments_sample
 from relayrl.env.v1 import env_pb2 as ev
 from relayrl.generator.v1 import generator_pb2 as g
 from relayrl.reward.v1 import reward_pb2 as rw
@@ -53,10 +53,6 @@ MAX_TASK_BYTES = 1 << 20
 """Largest data row sent to the env service as a task (ResetRequest.task_json's bound)."""
 TRACED_EPISODES = 2
 """Episodes of the first training rollout written to the run folder (``write_trace``)."""
-TEMPLATE_TOKENS_PER_MESSAGE = 64
-"""Tokens a chat template adds around one appended message, at most (role headers, tool-answer
-tags, the generation prompt): with one token per byte of content at most (byte-level BPE), the
-bound on a turn's environment tokens that keeps the next prompt inside the model's context."""
 
 
 class ChatTemplateUnfit(RunFailure):
@@ -362,15 +358,11 @@ class MultiTurn:
                 raise EpisodeLost(f"env {rep.name}: step {k} of {eid} is not done and has nothing to answer")
             prefix = [*s.prompt_token_ids, *s.completion_token_ids]
             used = len(prefix) - len(turns[0].prompt_token_ids)
-            env_bound = sum(
-                len(m.content.encode())
-                + sum(len(c.arguments_json) for c in m.tool_calls)
-                + TEMPLATE_TOKENS_PER_MESSAGE
-                for m in step.observations
-            )
             # The model's context bounds the turn exactly (the generator fits max_tokens to it);
             # the episode's budget is checked here, with an upper estimate of the env's tokens.
-            room = min(self.cfg.sampling.max_tokens, self.ep.max_episode_tokens - used - env_bound)
+            room = turn_room(
+                self.cfg.sampling.max_tokens, self.ep.max_episode_tokens, used, step.observations
+            )
             if room < 1:
                 counts.truncated = True
                 break

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
+from relayrl.common.trajectories import PrefixViolation
 from relayrl.common.v1 import common_pb2
 from relayrl.coordinator.batch import fresh_groups, reward_stats, train_sample
 from relayrl.coordinator.config import (
@@ -21,7 +22,6 @@ from relayrl.coordinator.config import (
 )
 from relayrl.coordinator.envs import EpisodeLost
 from relayrl.coordinator.episodes import ChatTemplateUnfit, MultiTurn, ToolsNeverCalled
-from relayrl.coordinator.trajectories import PrefixViolation
 from relayrl.env.v1 import env_pb2 as ev
 from relayrl.generator.v1 import generator_pb2 as g
 from relayrl.reward.v1 import reward_pb2 as rw

@@ -4,7 +4,7 @@ A trace is one episode as the RL loop sees it: the first prompt as the chat temp
 then each model turn's tokens (through its end-of-turn token), and between turns the tokens the
 chat codec's bridge appends (the environment's answer and the next generation prompt). The
 loss mask is 1 on the model's tokens and 0 on the prompt and the bridge's, exactly the mask
-``coordinator.trajectories.assemble`` gives an RL episode of the same actions. The codec is
+``common.trajectories.assemble`` gives an RL episode of the same actions. The codec is
 passed in (duck-typed: ``render``, ``bridge``, ``end_of_turn_ids``; the generator's
 ``ChatCodec``), so SFT and RL extend dialogues with one implementation.
 

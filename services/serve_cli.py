@@ -72,9 +72,16 @@ SERVICES: dict[str, dict[str, tuple[str, type, str]]] = {
             "idle time after which a session is closed (default 300)",
         ),
     },
+    "gateway": {
+        "--generator": ("generators", list, "generator replica HOST:PORT to sample on (repeatable)"),
+        "--http-host": ("http.host", str, "address of the OpenAI-compatible API (default 127.0.0.1)"),
+        "--http-port": ("http.port", int, "port of the OpenAI-compatible API (0: pick a free one)"),
+        "--public-url": ("http.public_url", str, "base URL handed to agents (default: as bound)"),
+        "--model-name": ("model_name", str, "model name agents ask for (default relayrl-policy)"),
+    },
 }
 # Metavar of the repeatable (list) flags, by service.
-_LIST_METAVAR = {"env": "MODULE:CLASS"}
+_LIST_METAVAR = {"env": "MODULE:CLASS", "gateway": "HOST:PORT"}
 # Launcher flags of the learner (torchrun rendezvous), not config fields.
 _LAUNCH = {
     "--nnodes": (int, "nodes taking part (default 1)"),
@@ -105,6 +112,10 @@ def _config_class(service: str):
         from relayrl.env.config import EnvConfig
 
         return EnvConfig
+    if service == "gateway":
+        from relayrl.gateway.config import GatewayConfig
+
+        return GatewayConfig
     raise SystemExit(f"relayrl serve: unknown service {service!r}")
 
 
@@ -190,6 +201,10 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(serve(config, args.port_file))
     elif args.service == "env":
         from relayrl.env.server import run as serve
+
+        asyncio.run(serve(config, args.port_file))
+    elif args.service == "gateway":
+        from relayrl.gateway.server import run as serve
 
         asyncio.run(serve(config, args.port_file))
     return 0

@@ -32,9 +32,13 @@ class Rollout:
     environment tokens), by (prompt_id, sample_index); a sample not here trains on every token."""
     stats: dict[str, float] = field(default_factory=dict)
     """Metrics of how the rollout was made (multi-turn: tool calls, turns, redone episodes)."""
-    segments: dict[tuple[str, int], list[common_pb2.Sample]] = field(default_factory=dict)
-    """Samples that train as several learner samples (a step-wise episode: one per model call),
-    by (prompt_id, sample_index); the sample in ``groups`` then stands for them in the group."""
+    segments: dict[tuple[str, int], list[tuple[common_pb2.Sample, list[float] | None]]] = field(
+        default_factory=dict
+    )
+    """Samples that train as several learner samples, each with its loss mask or None (a
+    step-wise episode: one per model call; a black-box episode whose agent rewrote its history:
+    one per segment), by (prompt_id, sample_index); the sample in ``groups`` then stands for them
+    in the group."""
 
     def mask(self, s: common_pb2.Sample) -> list[float] | None:
         return self.masks.get((s.prompt_id, s.sample_index))
@@ -44,7 +48,7 @@ class Rollout:
         one per segment, each with ``s``'s advantage."""
         segments = self.segments.get((s.prompt_id, s.sample_index))
         if segments is not None:
-            return [train_sample(seg, None, **advantage) for seg in segments]
+            return [train_sample(seg, mask, **advantage) for seg, mask in segments]
         return [train_sample(s, self.mask(s), **advantage)]
 
 

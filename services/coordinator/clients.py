@@ -19,12 +19,12 @@ the bearer token as ``services.security`` says.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from relayrl.common import logcontext
+from relayrl.common.affinity import ranked
 from relayrl.common.security import client_channel
 from relayrl.common.serving import ClientSecurity
 from relayrl.common.v1 import common_pb2
@@ -68,21 +68,15 @@ async def waits_for_weights(channel: grpc.aio.Channel) -> bool:
 
 
 def rendezvous(key: str, reps: Sequence[Replica]) -> Replica:
-    """The replica ``key`` goes to: highest random weight (rendezvous) hashing, so a key keeps
-    its replica while that replica is in rotation, and only the keys of a replica that leaves
-    move. A stable hash, the same in every process.
+    """The replica ``key`` goes to (``affinity.ranked``): it keeps it while that replica is in
+    rotation.
 
     >>> reps = [Replica(f"gen-{i}", "", None) for i in range(3)]
     >>> rendezvous("e1", reps).name == rendezvous("e1", reps[::-1]).name
     True
-    >>> len({rendezvous(f"e{i}", reps).name for i in range(50)})
-    3
     """
-
-    def weight(rep: Replica) -> bytes:
-        return hashlib.blake2b(f"{key}\0{rep.name}".encode(), digest_size=8).digest()
-
-    return max(reps, key=weight)
+    by_name = {rep.name: rep for rep in reps}
+    return by_name[ranked(key, by_name)[0]]
 
 
 def _split(items: Sequence, parts: int) -> list[list]:

@@ -15,6 +15,7 @@ from relayrl.common.config import StrictModel
 from relayrl.common.serving import ClientSecurity, ServeConfig
 from relayrl.coordinator.ray.config import RaySection
 from relayrl.env.config import EnvConfig
+from relayrl.gateway.config import GatewayConfig
 from relayrl.generator.config import GeneratorConfig
 from relayrl.learner.config import LearnerConfig
 from relayrl.reward.config import RewardConfig
@@ -268,6 +269,9 @@ class ServicesSection(StrictModel):
     """Reward replicas, ``host:port`` each."""
     envs: list[str] = Field(default_factory=list)
     """Env service replicas, ``host:port`` each: deployed runs with an ``episodes`` section."""
+    gateways: list[str] = Field(default_factory=list)
+    """Gateway replicas (their gRPC ``host:port``): deployed runs whose env runs an agent of its
+    own (a black-box ``harness`` env), which reaches the model through the gateway."""
     learner: str | None = None
     """Learner rank 0, ``host:port``."""
     critic: str | None = None
@@ -283,6 +287,9 @@ class ServicesSection(StrictModel):
     env_replicas: int = Field(1, ge=1, le=64)
     """Embedded default and ``relayrl launch ray``: env service replicas to start (runs with an
     ``episodes`` section)."""
+    gateway_replicas: int = Field(0, ge=0, le=64)
+    """Embedded default: gateway replicas to start (the ``gateway`` section, its generators filled
+    in); 1 for an env that runs an agent of its own (a black-box ``harness`` env), else 0."""
     generator_devices: list[str] = Field(default_factory=list)
     """Embedded default on GPUs: CUDA_VISIBLE_DEVICES of each generator replica (e.g. ["0", "1"]),
     so generation and training get their own GPUs; empty inherits the environment."""
@@ -417,6 +424,9 @@ class ExperimentConfig(StrictModel):
     """Reward section."""
     env: EnvConfig = Field(default_factory=EnvConfig)
     """Env service section: the replicas a run with an ``episodes`` section starts."""
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    """Gateway section: the replicas ``services.gateway_replicas`` starts (their ``generators``
+    are the run's)."""
     ray: RaySection = Field(default_factory=RaySection)
     """Placement on a Ray cluster, for ``relayrl launch ray``."""
     tracking: TrackingSection = Field(default_factory=TrackingSection)
@@ -450,6 +460,11 @@ class ExperimentConfig(StrictModel):
             raise ValueError(
                 f"env.lease_seconds ({self.env.lease_seconds:g}) must exceed services.deadline_seconds "
                 f"({self.services.deadline_seconds:g}): a session waits that long for a turn's Generate"
+            )
+        if (self.services.gateway_replicas or self.services.gateways) and self.episodes is None:
+            raise ValueError(
+                "services.gateway_replicas / services.gateways: a gateway serves black-box episodes; "
+                "it needs an episodes section (an env that runs its own agent)"
             )
         if self.episodes is not None and self.sampling.stop:
             raise ValueError(

@@ -15,6 +15,7 @@ from relayrl.coordinator.clients import GeneratorPool, LearnerClient, RewardPool
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.envs import EnvPool
 from relayrl.coordinator.episodes import MultiTurn
+from relayrl.coordinator.gateways import GatewayPool
 from relayrl.coordinator.loop import Experiment
 from relayrl.coordinator.rollouts import SingleTurn
 from relayrl.coordinator.runfolder import rewind_records
@@ -100,10 +101,15 @@ async def drive(
         if cfg.episodes is not None
         else None
     )
+    gateways = (
+        GatewayPool(services.gateways, deadline, security, wait_s, coming_back=services.coming_back)
+        if services.gateways
+        else None
+    )
     rollouts = (
         SingleTurn(cfg, gens, rewards)
         if envs is None
-        else MultiTurn(cfg, gens, envs, None if resume else run_dir / "episodes" / "first.jsonl")
+        else MultiTurn(cfg, gens, envs, None if resume else run_dir / "episodes" / "first.jsonl", gateways)
     )
     exp = Experiment(
         cfg, run_dir, train_rows, test_rows, gens, rollouts, learner, algorithm, record, weights_lock
@@ -124,6 +130,8 @@ async def drive(
         await rewards.close()
         if envs is not None:
             await envs.close()
+        if gateways is not None:
+            await gateways.close()
         await trackers.aclose()
         for client in (learner, *roles.values()):
             await client.close()

@@ -28,7 +28,10 @@ class Episode:
     truncated: bool = False
     redone: int = 0
     masked: bool = False
-    segments: list[common_pb2.Sample] | None = None  # stepwise: one learner sample per call
+    segments: list[tuple[common_pb2.Sample, list[float] | None]] | None = None
+    """Learner samples of their own, with loss masks: stepwise, one per call; black-box, one per
+    segment when the agent's history broke."""
+    history_breaks: int = 0  # black-box: requests that did not extend an earlier answer
     calls: list[common_pb2.Sample] = field(default_factory=list)  # the generator's, per turn
     answers: list[list[common_pb2.ChatMessage]] = field(default_factory=list)  # the env's, per turn
     version_spread: int = 0  # newest minus oldest policy version among its turns
@@ -57,6 +60,7 @@ def episode_stats(episodes: list[Episode]) -> dict[str, float]:
         "env_redo": sum(e.redone for e in episodes),
         "env_masked": sum(e.masked for e in episodes),
         "episode_version_spread_max": max((e.version_spread for e in ran), default=0),
+        "history_breaks": sum(e.history_breaks for e in ran),
     }
     out.update(
         {f"tool_status_{k.removeprefix('TOOL_STATUS_').lower()}": v for k, v in sorted(statuses.items())}
@@ -80,7 +84,7 @@ def write_trace(path: Path, episodes: list[Episode]) -> None:
                 ],
                 "sample": MessageToDict(e.sample),
                 "loss_mask": e.mask,
-                "segments": [MessageToDict(s) for s in e.segments or []],
+                "segments": [{"sample": MessageToDict(s), "loss_mask": m} for s, m in e.segments or []],
                 "result": MessageToDict(e.result),
             }
             f.write(json.dumps(rec) + "\n")

@@ -37,12 +37,20 @@ from pathlib import Path
 import grpc
 from relayrl.common.trajectories import assemble, check_prefix, segments_sample, turn_room
 from relayrl.common.v1 import common_pb2
+from relayrl.coordinator.agent_episodes import (
+    AgentSilent,
+    close_soon,
+    episode_of,
+    harness_result,
+    open_session,
+)
 from relayrl.coordinator.batch import Rollout
 from relayrl.coordinator.clients import GeneratorPool
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.envs import EnvPool, EpisodeLost
 from relayrl.coordinator.episode_records import Episode, episode_stats, write_trace
 from relayrl.coordinator.errors import RunFailure
+from relayrl.coordinator.gateways import GatewayPool
 from relayrl.env.v1 import env_pb2 as ev
 from relayrl.generator.v1 import generator_pb2 as g
 from relayrl.reward.v1 import reward_pb2 as rw
@@ -77,10 +85,17 @@ class MultiTurn:
     """Episodes of ``cfg.episodes.env`` on the env service, sampled on the generators."""
 
     def __init__(
-        self, cfg: ExperimentConfig, generators: GeneratorPool, envs: EnvPool, trace: Path | None = None
+        self,
+        cfg: ExperimentConfig,
+        generators: GeneratorPool,
+        envs: EnvPool,
+        trace: Path | None = None,
+        gateways: GatewayPool | None = None,
     ):
         """``trace``: where the first training rollout's first episodes are written, turn by
-        turn (``write_trace``), for a person to read what the model saw and did."""
+        turn (``write_trace``), for a person to read what the model saw and did. ``gateways``:
+        for an env that runs its own agent (``agent_episodes``)."""
+        self.gateways = gateways
         assert cfg.episodes is not None
         self.trace = trace
         self.cfg = cfg
@@ -99,6 +114,11 @@ class MultiTurn:
             self.info = await self.envs.env_info(self.ep.env)
         except ValueError as e:
             raise ChatTemplateUnfit(str(e)) from None
+        if self.info.black_box and self.gateways is None:
+            raise ChatTemplateUnfit(
+                f"env {self.ep.env!r} runs an agent of its own, which reaches the model through a gateway: "
+                "start one (services.gateway_replicas: 1) or name one (services.gateways)"
+            )
         tools = json.loads(self.info.tools_json or "[]")
         fmt = self.ep.tool_format
         check = await self.gen.check_chat(self.info.tools_json if tools else "", fmt)
@@ -258,24 +278,51 @@ class MultiTurn:
             raise RunFailure(
                 f"data row {pid}: {len(task.encode())} bytes as JSON; the env service takes at most {MAX_TASK_BYTES}"
             )
-        rep, reset = await self.envs.reset(
-            ev.ResetRequest(
-                request_id=tag,
-                env=self.ep.env,
-                task_json=task,
-                seed=env_seed(self.cfg.seed, eid),
-                # Unique to this rollout of this coordinator process: a retried Reset finds its
-                # session, while an evaluation run again or a resumed run never reaches an old one.
-                episode_id=f"{self.nonce}/{tag}/{eid}",
-                attempt=attempt,
+        opened = None
+        if self.info.black_box:  # the env's agent samples through a gateway session of its own
+            room = min(self.cfg.sampling.max_tokens, self.ep.max_episode_tokens)
+            opened = await open_session(
+                self.gateways,
+                eid,
+                self._sampling(evaluation, room),
+                self.ep.max_episode_tokens,
+                min_version,
+                tag,
             )
-        )
         try:
-            ep = await self._turns(rep, reset, pid, i, evaluation, tag, min_version)
+            rep, reset = await self.envs.reset(
+                ev.ResetRequest(
+                    request_id=tag,
+                    env=self.ep.env,
+                    task_json=task,
+                    seed=env_seed(self.cfg.seed, eid),
+                    # Unique to this rollout of this coordinator process: a retried Reset finds its
+                    # session, while an evaluation run again or a resumed run never reaches an old one.
+                    episode_id=f"{self.nonce}/{tag}/{eid}",
+                    attempt=attempt,
+                    gateway=opened.endpoint if opened else None,
+                )
+            )
+        except BaseException:
+            if opened is not None:
+                close_soon(self.gateways, opened, tag)
+            raise
+        try:
+            if opened is None:
+                ep = await self._turns(rep, reset, pid, i, evaluation, tag, min_version)
+            else:  # one Step: the agent runs to its end; then its tokens, as the gateway recorded them
+                await self.envs.step(rep, ev.StepRequest(request_id=tag, session_id=reset.session_id))
+                closed = await self.gateways.close(opened.replica, opened.key, tag)
+                opened = None
+                ep = episode_of(closed, pid, i)
             close = await self.envs.close_session(
                 rep, ev.CloseRequest(request_id=tag, session_id=reset.session_id)
             )
+        except AgentSilent as e:
+            return self._masked(pid, i, "agent_silent", str(e), attempt, min_version)
         except BaseException:
+            if opened is not None:
+                close_soon(self.gateways, opened, tag)
             # The episode is lost, the run failing or cancelled: free its session now rather than
             # at its lease's end, unless its replica is gone (nothing to free there).
             if rep.healthy:
@@ -294,8 +341,15 @@ class MultiTurn:
             raise RunFailure(
                 f"env {rep.name}: Close of episode {eid} answered no outcome (a contract violation)"
             )
-        ep.result = rw.RewardResult(
-            sample_id=eid, status=rw.SCORE_STATUS_OK, reward=close.reward, components=dict(close.components)
+        ep.result = (
+            harness_result(eid, closed, close)
+            if self.info.black_box
+            else rw.RewardResult(
+                sample_id=eid,
+                status=rw.SCORE_STATUS_OK,
+                reward=close.reward,
+                components=dict(close.components),
+            )
         )
         return ep
 
@@ -376,7 +430,7 @@ class MultiTurn:
                 nxt = {"continuation": cont}
             prompt = common_pb2.Prompt(prompt_id=f"{eid}/t{k + 1}", **nxt)
         if stepwise:
-            counts.sample, counts.segments = segments_sample(turns, pid, i), turns
+            counts.sample, counts.segments = segments_sample(turns, pid, i), [(t, None) for t in turns]
             counts.mask = [1.0] * sum(len(t.completion_token_ids) for t in turns)
         else:
             counts.sample, counts.mask = assemble(turns, pid, i)

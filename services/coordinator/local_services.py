@@ -44,6 +44,7 @@ class LocalServices:
         self.generators: dict[str, str] = {}
         self.rewards: dict[str, str] = {}
         self.envs: dict[str, str] = {}
+        self.gateways: dict[str, str] = {}
         self.learner = ""
         self.roles: dict[str, str] = {}
         self.restarted: dict[str, int] = {}  # name -> restarts so far
@@ -111,6 +112,12 @@ class LocalServices:
         self.generators = {p.name: p.wait_ready(timeout) for p in gens}
         self.rewards = {p.name: p.wait_ready(timeout) for p in rewards}
         self.envs = {p.name: p.wait_ready(timeout) for p in envs}
+        # The gateways sample on this run's generators: started once their addresses are known.
+        section = c.gateway.model_copy(update={"generators": list(self.generators.values())})
+        gateways = [
+            self._start(f"gateway-{i}", "gateway", section, []) for i in range(c.services.gateway_replicas)
+        ]
+        self.gateways = {p.name: p.wait_ready(timeout) for p in gateways}
         if c.services.restarts:
             self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
             self._supervisor.start()

@@ -19,6 +19,8 @@ class ServiceSet(Protocol):
     """Replica name -> address, filled by ``start``."""
     envs: dict[str, str]
     """Env service replica name -> address, filled by ``start`` (empty without episodes)."""
+    gateways: dict[str, str]
+    """Gateway replica name -> gRPC address, filled by ``start`` (empty without black-box envs)."""
     learner: str
     """Rank 0's address, filled by ``start``."""
     roles: dict[str, str]
@@ -48,6 +50,7 @@ class DeployedServices:
         self.generators = {f"gen-{i}": a for i, a in enumerate(cfg.services.generators)}
         self.rewards = {f"reward-{i}": a for i, a in enumerate(cfg.services.rewards)}
         self.envs = {f"env-{i}": a for i, a in enumerate(cfg.services.envs)}
+        self.gateways = {f"gateway-{i}": a for i, a in enumerate(cfg.services.gateways)}
         self.learner = cfg.services.learner or ""
         # the role sections present are the roles the algorithm calls (derive.resolve_paths)
         self.roles = {r: getattr(cfg.services, r) for r in cfg.role_sections() if r != "learner"}

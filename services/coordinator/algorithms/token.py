@@ -47,6 +47,12 @@ class TokenFamily(Algorithm):
         if a.critic_warmup >= cfg.schedule.steps:
             raise ValueError("algorithm.critic_warmup must be fewer than schedule.steps")
         episodes = getattr(cfg, "episodes", None)
+        services = cfg.services
+        if episodes is not None and (services.gateway_replicas or services.gateways):
+            raise ValueError(
+                f"a black-box agent's episode becomes several learner samples where it rewrites its history; "
+                f"{a.advantage}'s per-token advantages need one sample per episode: use grpo, drgrpo or rloo"
+            )
         if episodes is not None and episodes.turns == "stepwise":
             raise ValueError(
                 f"episodes.turns: stepwise makes several learner samples of one episode; {a.advantage}'s "

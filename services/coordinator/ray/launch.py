@@ -118,6 +118,7 @@ class RayServices:
         self.generators: dict[str, str] = {}
         self.rewards: dict[str, str] = {}
         self.envs: dict[str, str] = {}
+        self.gateways: dict[str, str] = {}  # black-box envs on Ray: not yet (deploy one, services.gateways)
         self.learner = ""
         self.roles: dict[str, str] = {}
         self.hosts: dict[str, object] = {}  # name -> actor handle

@@ -1,0 +1,78 @@
+"""Configuration of the gateway: its gRPC control API (``serve``), its OpenAI-compatible HTTP
+API (``http``), the generators it forwards to, and the bounds on sessions and requests."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+from relayrl.common.config import StrictModel
+from relayrl.common.serving import ClientSecurity, ServeConfig
+
+
+class HttpConfig(StrictModel):
+    """Where agents reach the OpenAI-compatible API."""
+
+    host: str = "127.0.0.1"
+    """Address to bind. Anything but loopback needs ``tls_cert``/``tls_key`` (the session keys
+    travel in every request), or an explicit ``insecure``."""
+    port: int = Field(0, ge=0, le=65535)
+    """HTTP port; 0 picks a free one (logged, and in OpenSessionResponse.base_url)."""
+    public_url: str = Field("", max_length=512)
+    """Base URL handed to agents (OpenSessionResponse.base_url), e.g. the Kubernetes service's
+    "http://relayrl-gateway:8000/v1"; empty: ``http(s)://<host>:<port>/v1`` as bound."""
+    tls_cert: str | None = Field(None, min_length=1)
+    """PEM certificate chain; with ``tls_key`` the API is served over HTTPS only."""
+    tls_key: str | None = Field(None, min_length=1)
+    """PEM private key of ``tls_cert``."""
+    insecure: bool = False
+    """Allow a non-loopback ``host`` without TLS (a mesh that adds TLS in front)."""
+    max_body_mb: float = Field(4.0, gt=0, le=256)
+    """Largest request body, in MiB; a larger one gets 413. An agent's whole history travels in
+    each request: room for long dialogues, not for anything a person would call an upload."""
+    request_timeout_seconds: float = Field(600.0, gt=0, le=86400)
+    """Longest a chat request may take, queueing for a generator included; past it, 504."""
+
+    @model_validator(mode="after")
+    def _tls(self) -> HttpConfig:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("http.tls_cert and http.tls_key go together: give both or neither")
+        loopback = self.host in ("localhost", "::1") or self.host.startswith("127.")
+        if not loopback and not self.tls_cert and not self.insecure:
+            raise ValueError(
+                f"http.host {self.host!r} is not loopback: give http.tls_cert and http.tls_key, or set "
+                "http.insecure (a trusted network, or TLS in front)"
+            )
+        return self
+
+
+class GatewayConfig(StrictModel):
+    """One gateway replica."""
+
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+    """Where the gRPC control API (relayrl.gateway.v1) listens, and who may call it."""
+    http: HttpConfig = Field(default_factory=HttpConfig)
+    """Where the OpenAI-compatible API listens."""
+    generators: list[str] = Field(default_factory=list, max_length=4096)
+    """Generator replicas (host:port) the gateway samples on. A session's calls go to one
+    replica while it serves (rendezvous on the episode id: its prefix cache), the next otherwise."""
+    client: ClientSecurity = Field(default_factory=ClientSecurity)
+    """How the gateway calls the generators (TLS, token)."""
+    model_name: str = Field("relayrl-policy", min_length=1, max_length=256)
+    """The model name agents ask for (GET /v1/models); another name gets 404."""
+    max_sessions: int = Field(4096, ge=1, le=1_000_000)
+    """Most sessions open at once; an OpenSession past it is RESOURCE_EXHAUSTED."""
+    max_in_flight: int = Field(256, ge=1, le=100_000)
+    """Most chat requests being sampled at once; more get 429 with Retry-After (the generators'
+    own admission, ``max_pending_requests``, answers the same way)."""
+    retry_after_seconds: float = Field(1.0, gt=0, le=3600)
+    """What a 429 tells the agent to wait."""
+    session_ttl_seconds: float = Field(1800.0, gt=0, le=86400)
+    """A session no request touches for this long is dropped (its key stops working); the
+    backstop for sessions a coordinator that died left open."""
+    closed_keep_seconds: float = Field(600.0, ge=0, le=86400)
+    """How long a closed session's answer is kept: a retried CloseSession gets it again."""
+    max_calls_per_session: int = Field(256, ge=1, le=100_000)
+    """Most chat requests in one session (OpenSessionRequest.max_calls may lower it)."""
+    generate_deadline_seconds: float = Field(300.0, gt=0, le=86400)
+    """Deadline of one Generate call to a generator."""
+    replica_id: str = Field("", max_length=256)
+    """Id in logs; empty: ``<hostname>:<pid>``."""

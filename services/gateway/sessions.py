@@ -1,0 +1,260 @@
+"""One black-box episode's calls, and how each new request extends them (pure: no I/O).
+
+An agent owns its loop and sends its whole dialogue with every request. To train on exactly the
+tokens the model sampled, each request is matched to the earlier call whose messages plus the
+answer the gateway returned are the longest prefix of the new messages (contents equal, tool-call
+names equal and arguments JSON-equal). When the rest is tool answers and at most one user
+message, the new call extends that call's exact tokens (``common.v1.Continuation``: the
+generator renders only the appended messages), in the same segment. Anything else (the agent
+dropped, edited or reordered its history, changed its tools, or answers a turn cut at its token
+budget) is rendered whole and opens a new segment: a history break, counted by reason. Segments
+become learner samples of their own; each trains.
+
+Call ``k`` of a session is the generator prompt ``<episode_id>/t<k>``, as turn ``k`` of a
+white-box episode (``coordinator/episodes.py``): the same seed and episode give the same tokens
+through the gateway as without it."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from relayrl.common.trajectories import PrefixViolation, assemble, check_prefix, turn_room
+from relayrl.common.v1 import common_pb2
+from relayrl.gateway.api import Answer, BadRequest, ChatRequest, ContextFull
+from relayrl.gateway.v1 import gateway_pb2 as gw
+from relayrl.generator.v1 import generator_pb2 as g
+
+ROLES_AFTER_ANSWER = ("tool", "user")
+
+
+@dataclass
+class Call:
+    """One answered request."""
+
+    messages: list[common_pb2.ChatMessage]
+    tools_json: str
+    reply: common_pb2.ChatMessage
+    sample: common_pb2.Sample
+    extendable: bool
+    """It ended on an end-of-turn token: the next turn can extend its tokens exactly."""
+
+
+@dataclass
+class Plan:
+    """How to sample a request: the generator prompt, the token budget, and where it goes."""
+
+    index: int
+    prompt: common_pb2.Prompt
+    max_tokens: int
+    parent: int | None
+    """The call whose tokens the prompt extends (None: rendered whole)."""
+    reason: str
+    """Why it does not extend a call ("" when it does, or for the session's first call)."""
+
+
+@dataclass
+class Segment:
+    calls: list[int]
+    reason: str
+
+
+def json_equal(a: str, b: str) -> bool:
+    """Tool-call arguments compared as JSON values (an agent may re-serialize them).
+
+    >>> json_equal('{"a": 1, "b": [2]}', '{"b":[2],"a":1}'), json_equal('{"a": 1}', '{"a": 2}')
+    (True, False)
+    >>> json_equal("not json", "not json")
+    True
+    """
+    if a == b:
+        return True
+    try:
+        return json.loads(a) == json.loads(b)
+    except (ValueError, RecursionError):
+        return False
+
+
+def same_message(a: common_pb2.ChatMessage, b: common_pb2.ChatMessage) -> bool:
+    """Whether the agent's message ``b`` is ``a`` as far as the model's tokens go: role, content
+    and tool calls (name, arguments); ids may be the agent's own.
+
+    >>> m = common_pb2.ChatMessage(role="assistant", content="", tool_calls=[
+    ...     common_pb2.ToolCall(id="call_1", name="calc", arguments_json='{"expression": "2*3"}')])
+    >>> n = common_pb2.ChatMessage(role="assistant", tool_calls=[
+    ...     common_pb2.ToolCall(id="x", name="calc", arguments_json='{"expression":"2*3"}')])
+    >>> same_message(m, n), same_message(m, common_pb2.ChatMessage(role="assistant"))
+    (True, False)
+    """
+    if a.role != b.role or a.content != b.content or len(a.tool_calls) != len(b.tool_calls):
+        return False
+    return all(
+        x.name == y.name and json_equal(x.arguments_json, y.arguments_json)
+        for x, y in zip(a.tool_calls, b.tool_calls, strict=True)
+    )
+
+
+def tail_extends(tail: list[common_pb2.ChatMessage]) -> bool:
+    """Whether ``tail`` can follow an answer token-exactly: tool answers, then at most one user
+    message, and something at all.
+
+    >>> tool, user = common_pb2.ChatMessage(role="tool"), common_pb2.ChatMessage(role="user")
+    >>> tail_extends([tool, tool, user]), tail_extends([user]), tail_extends([user, tool]), tail_extends([])
+    (True, True, False, False)
+    """
+    if not tail or any(m.role not in ROLES_AFTER_ANSWER for m in tail):
+        return False
+    return all(m.role == "tool" for m in tail[:-1])
+
+
+def reply_of(s: common_pb2.Sample, tool_format: str) -> common_pb2.ChatMessage:
+    """The assistant message the agent gets for a sample: its text outside the tool calls and
+    the calls that parsed (a call that did not parse cannot be given as a call: it stays text)."""
+    ok = [c for c in s.tool_calls if c.parse == common_pb2.TOOL_CALL_PARSE_OK]
+    content = s.content if tool_format else s.text
+    if tool_format and len(ok) != len(s.tool_calls):
+        content = s.text  # the malformed call's text, for the agent to see what the model wrote
+        ok = []
+    return common_pb2.ChatMessage(role="assistant", content=content, tool_calls=ok)
+
+
+def finish_reason(s: common_pb2.Sample, reply: common_pb2.ChatMessage) -> str:
+    if reply.tool_calls:
+        return "tool_calls"
+    return "length" if s.finish_reason == common_pb2.FINISH_REASON_LENGTH else "stop"
+
+
+@dataclass
+class Session:
+    """One episode's gateway session."""
+
+    key: str
+    episode_id: str
+    sampling: g.SamplingParams
+    max_episode_tokens: int
+    max_calls: int
+    min_version: int
+    ttl_seconds: float
+    touched: float = field(default_factory=time.monotonic)
+    calls: list[Call] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    planned: int = 0
+    """Calls planned so far (their indexes; some may not have answered)."""
+    truncated: int = 0
+    reward: tuple[float, dict[str, float]] | None = None
+
+    def plan(self, req: ChatRequest) -> Plan:
+        """The generator prompt for ``req``: extending the best-matching call, or rendered whole."""
+        if self.planned >= self.max_calls:
+            raise BadRequest(f"this session made its {self.max_calls} calls: it is over")
+        parent, reason = self._match(req)
+        index = self.planned
+        pid = f"{self.episode_id}/t{index}"
+        budget = self.max_episode_tokens or 1 << 30
+        room = min(self.sampling.max_tokens, budget)
+        if parent is None:
+            prompt = common_pb2.Prompt(
+                prompt_id=pid,
+                messages=common_pb2.ChatMessages(messages=req.messages, tools_json=req.tools_json),
+            )
+        else:
+            p = self.calls[parent]
+            prefix = [*p.sample.prompt_token_ids, *p.sample.completion_token_ids]
+            tail = req.messages[len(p.messages) + 1 :]
+            first = self.calls[self._segment_of(parent).calls[0]]
+            used = len(prefix) - len(first.sample.prompt_token_ids)
+            room = turn_room(self.sampling.max_tokens, budget, used, tail)
+            prompt = common_pb2.Prompt(
+                prompt_id=pid,
+                continuation=common_pb2.Continuation(
+                    prefix_token_ids=prefix, append=tail, tools_json=req.tools_json
+                ),
+            )
+        if req.max_tokens is not None:
+            room = min(room, req.max_tokens)
+        if room < 1:
+            self.truncated += 1
+            raise ContextFull(
+                f"the episode's token budget ({self.max_episode_tokens} after its first prompt) is spent"
+            )
+        self.planned += 1
+        return Plan(index, prompt, room, parent, reason)
+
+    def _match(self, req: ChatRequest) -> tuple[int | None, str]:
+        best, best_len = None, -1
+        for i, c in enumerate(self.calls):
+            n = len(c.messages) + 1
+            if n <= len(req.messages) and n > best_len and self._starts(req.messages, c):
+                best, best_len = i, n
+        if best is None:
+            return None, "history_rewritten" if self.calls else ""
+        c = self.calls[best]
+        if not tail_extends(req.messages[best_len:]):
+            return None, "tail_roles"
+        if req.tools_json != c.tools_json:
+            return None, "tools_changed"
+        if not c.extendable:
+            return None, "cut"
+        return best, ""
+
+    @staticmethod
+    def _starts(messages: list[common_pb2.ChatMessage], c: Call) -> bool:
+        full = [*c.messages, c.reply]
+        return all(same_message(a, b) for a, b in zip(full, messages, strict=False))
+
+    def _segment_of(self, call: int) -> Segment:
+        return next(s for s in self.segments if call in s.calls)
+
+    def record(self, plan: Plan, req: ChatRequest, s: common_pb2.Sample) -> Answer:
+        """Keep the answered call in its segment; the answer for the agent."""
+        reason = plan.reason
+        seg = None
+        if plan.parent is not None:
+            try:
+                check_prefix(plan.prompt.continuation.prefix_token_ids, s, f"call {plan.index}")
+                seg = self._segment_of(plan.parent)
+                if seg.calls[-1] != plan.parent:  # a retry or a second branch from one answer
+                    seg, reason = None, "fork"
+            except PrefixViolation:
+                seg, reason = None, "prefix_violation"
+        reply = reply_of(s, self.sampling.tool_format)
+        ended = bool(s.completion_token_ids) and s.completion_token_ids[-1] in self.sampling.stop_token_ids
+        self.calls.append(
+            Call(
+                list(req.messages),
+                req.tools_json,
+                reply,
+                s,
+                s.finish_reason == common_pb2.FINISH_REASON_STOP and ended,
+            )
+        )
+        if seg is None:
+            seg = Segment([], reason)
+            self.segments.append(seg)
+        seg.calls.append(len(self.calls) - 1)
+        return Answer(
+            message=reply,
+            finish_reason=finish_reason(s, reply),
+            prompt_tokens=len(s.prompt_token_ids),
+            completion_tokens=len(s.completion_token_ids),
+        )
+
+    def close(self) -> gw.CloseSessionResponse:
+        """The session's segments, each assembled as one sample with its loss mask."""
+        out = gw.CloseSessionResponse(calls=len(self.calls), truncated=self.truncated)
+        breaks = Counter(seg.reason for seg in self.segments[1:])
+        for seg in self.segments:
+            turns = [self.calls[i].sample for i in seg.calls]
+            sample, mask = assemble(turns, "", 0)
+            out.segments.append(
+                gw.Segment(sample=sample, loss_mask=mask, calls=turns, break_reason=seg.reason)
+            )
+        out.history_breaks = sum(breaks.values())
+        out.break_reasons.update(breaks)
+        if self.reward is not None:
+            out.reward_set = True
+            out.reward, components = self.reward
+            out.components.update(components)
+        return out

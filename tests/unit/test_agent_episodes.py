@@ -1,0 +1,153 @@
+"""Black-box episodes in the coordinator (``coordinator.agent_episodes`` through
+``episodes.MultiTurn``), against stand-in env and gateway clients: a gateway session per episode
+whose endpoint reaches the env's Reset, the recorded segments as the episode's learner samples,
+the harness's own reward preferred, and an agent that never called the model masked (never a
+reward of 0)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from relayrl.common.v1 import common_pb2
+from relayrl.coordinator.envs import EpisodeLost
+from relayrl.coordinator.episodes import ChatTemplateUnfit, MultiTurn
+from relayrl.env.v1 import env_pb2 as ev
+from relayrl.gateway.v1 import gateway_pb2 as gw
+from relayrl.reward.v1 import reward_pb2 as rw
+
+from tests.unit.test_episodes import STOP, TOOLS, Gen, _cfg
+
+REP = SimpleNamespace(name="gateway-0", healthy=True)
+
+
+def segment(prompt, completion, mask, reason=""):
+    call = common_pb2.Sample(prompt_token_ids=prompt, completion_token_ids=completion, logprobs=[-0.5] * len(completion),
+                             finish_reason=common_pb2.FINISH_REASON_STOP, policy_version=3)  # fmt: skip
+    whole = common_pb2.Sample(prompt_token_ids=prompt, completion_token_ids=completion,
+                              logprobs=[-0.5] * len(completion), policy_version=3)  # fmt: skip
+    return gw.Segment(sample=whole, loss_mask=mask, calls=[call], break_reason=reason)
+
+
+class Gateways:
+    """A gateway pool whose sessions close with ``answer(key)``."""
+
+    def __init__(self, answer):
+        self.answer = answer
+        self.opened: list[gw.OpenSessionRequest] = []
+        self.closed: list[str] = []
+
+    async def open(self, req):
+        self.opened.append(req)
+        key = f"key-{len(self.opened)}"
+        return REP, gw.OpenSessionResponse(session_key=key, base_url="http://127.0.0.1:1/v1", model="m")
+
+    async def close(self, rep, key, request_id):
+        self.closed.append(key)
+        return self.answer(key)
+
+
+class BlackBoxEnv:
+    """An env pool running a harness env: one Step runs the agent; Close gives reward 0.25."""
+
+    def __init__(self, lose_steps=0):
+        self.lose_steps = lose_steps
+        self.resets: list[ev.ResetRequest] = []
+        self.steps = 0
+
+    async def env_info(self, name):
+        return ev.EnvInfo(name=name, tools_json=TOOLS, expects_tools=True, max_turns=4, black_box=True)
+
+    async def reset(self, req):
+        self.resets.append(req)
+        return SimpleNamespace(name="env-0", healthy=True), ev.ResetResponse(
+            session_id=f"s{len(self.resets)}"
+        )
+
+    async def step(self, rep, req):
+        self.steps += 1
+        assert req.step_index == 0 and not req.action.text
+        if self.steps <= self.lose_steps:
+            raise EpisodeLost("env-0: Step UNAVAILABLE: gone")
+        return ev.StepResponse(done=True)
+
+    async def close_session(self, rep, req):
+        return ev.CloseResponse(reward=0.25, outcome=ev.OUTCOME_OK, components={"correctness": 0.25})
+
+
+def _run(source):
+    return asyncio.run(source.rollout([("p0", {"prompt": []})], False, "step1", 3))
+
+
+def test_a_black_box_episode_is_its_gateway_segment_with_the_envs_reward():
+    env, gws = BlackBoxEnv(), Gateways(lambda key: gw.CloseSessionResponse(
+        segments=[segment([1, 2], [10, STOP, 7, 8, 12, STOP], [1, 1, 0, 0, 1, 1])], calls=2))  # fmt: skip
+    ro = _run(MultiTurn(_cfg(), Gen(), env, None, gws))
+    ((_, samples, results),) = ro.groups
+    assert [r.reward for r in results] == [0.25, 0.25] and all(
+        r.status == rw.SCORE_STATUS_OK for r in results
+    )
+    s = samples[1]
+    assert (s.prompt_id, s.sample_index, list(s.completion_token_ids)) == (
+        "p0",
+        1,
+        [10, STOP, 7, 8, 12, STOP],
+    )
+    assert ro.mask(s) == [1, 1, 0, 0, 1, 1] and not ro.segments
+    # One session per episode, named as the white-box turns are, sampled as the first turn is.
+    assert sorted(r.episode_id for r in gws.opened) == ["p0/0", "p0/1"]
+    opened = gws.opened[0]
+    assert (
+        opened.min_version == 3
+        and opened.max_episode_tokens == 1024
+        and list(opened.sampling.stop_token_ids) == [STOP]
+    )
+    assert (
+        opened.sampling.seed == 5
+        and opened.sampling.max_tokens == 16
+        and opened.sampling.tool_format == "hermes"
+    )
+    assert {r.gateway.api_key for r in env.resets} == {"key-1", "key-2"} and sorted(gws.closed) == [
+        "key-1",
+        "key-2",
+    ]
+    assert ro.stats["turns_per_episode"] == 1 and ro.stats["history_breaks"] == 0
+
+
+def test_a_harness_reward_wins_and_a_broken_history_trains_per_segment():
+    def answer(key):
+        segs = [
+            segment([1], [10, STOP], [1, 1]),
+            segment([4], [11, 12, STOP], [1, 1, 1], "history_rewritten"),
+        ]
+        return gw.CloseSessionResponse(segments=segs, calls=2, history_breaks=1, reward_set=True, reward=1.0,
+                                       components={"tests_passed": 1.0})  # fmt: skip
+
+    ro = _run(MultiTurn(_cfg(), Gen(), BlackBoxEnv(), None, Gateways(answer)))
+    ((_, samples, results),) = ro.groups
+    assert [r.reward for r in results] == [1.0, 1.0] and dict(results[0].components) == {"tests_passed": 1.0}
+    train = ro.train_samples(samples[0], advantage=0.5)
+    assert [list(t.completion_token_ids) for t in train] == [[10, STOP], [11, 12, STOP]]
+    assert [list(t.loss_mask) for t in train] == [[1, 1], [1, 1, 1]]
+    assert ro.stats["history_breaks"] == 2  # one per episode
+
+
+def test_an_agent_that_never_called_the_model_is_masked_not_scored_zero():
+    ro = _run(MultiTurn(_cfg(), Gen(), BlackBoxEnv(), None, Gateways(lambda key: gw.CloseSessionResponse())))
+    ((_, _, results),) = ro.groups
+    assert all(r.status == rw.SCORE_STATUS_ERROR and "agent_silent" in r.error for r in results)
+    assert ro.stats["env_masked"] == 2
+
+
+def test_a_lost_episode_closes_its_gateway_session_and_is_redone_with_a_new_one():
+    env = BlackBoxEnv(lose_steps=1)
+    gws = Gateways(lambda key: gw.CloseSessionResponse(segments=[segment([1], [10, STOP], [1, 1])], calls=1))
+    ro = _run(MultiTurn(_cfg(n=1), Gen(), env, None, gws))
+    assert ro.groups[0][2][0].status == rw.SCORE_STATUS_OK and ro.stats["env_redo"] == 1
+    assert len(gws.opened) == 2 and sorted(gws.closed) == ["key-1", "key-2"]  # the lost one closed too
+
+
+def test_a_black_box_env_without_a_gateway_refuses_to_start():
+    with pytest.raises(ChatTemplateUnfit, match="gateway"):
+        asyncio.run(MultiTurn(_cfg(), Gen(), BlackBoxEnv()).prepare())

@@ -9,7 +9,7 @@ latency. ``route`` is the matched route's path or "unmatched", so a client canno
 set by asking for made-up paths. The sessions' metrics (``relayrl_gateway_*``) sit beside these.
 """
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 HTTP_REQUESTS = Counter(
     "relayrl_gateway_http_requests",
@@ -24,7 +24,49 @@ HTTP_SECONDS = Histogram(
 )
 
 
-class GatewayMetrics:
+SESSIONS_OPEN = Gauge("relayrl_gateway_sessions_open", "Sessions open now")
+CALLS = Counter("relayrl_gateway_calls", "Chat requests sampled on a generator")
+CALL_SECONDS = Histogram(
+    "relayrl_gateway_call_seconds",
+    "Time of one chat request's Generate call",
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+)
+COMPLETION_TOKENS = Counter(
+    "relayrl_gateway_completion_tokens", "Tokens the model generated through the gateway"
+)
+CALL_FAILURES = Counter(
+    "relayrl_gateway_call_failures", "Chat requests that got no answer, by error", ["error"]
+)
+SESSIONS_CLOSED = Counter("relayrl_gateway_sessions_closed", "Sessions closed by the coordinator")
+HISTORY_BREAKS = Counter(
+    "relayrl_gateway_history_breaks",
+    "Requests that did not extend an earlier answer (a new segment), by reason",
+    ["reason"],
+)
+
+
+class CoreMetrics:
+    """The sessions' side (``core.GatewayCore``)."""
+
+    def sessions(self, n: int) -> None:
+        SESSIONS_OPEN.set(n)
+
+    def call(self, seconds: float, tokens: int) -> None:
+        CALLS.inc()
+        CALL_SECONDS.observe(seconds)
+        COMPLETION_TOKENS.inc(tokens)
+
+    def failed(self, error: str) -> None:
+        CALL_FAILURES.labels(error).inc()
+
+    def closed(self, out) -> None:
+        """A closed session (``gateway_pb2.CloseSessionResponse``): its history breaks."""
+        SESSIONS_CLOSED.inc()
+        for reason, n in out.break_reasons.items():
+            HISTORY_BREAKS.labels(reason).inc(n)
+
+
+class GatewayMetrics(CoreMetrics):
     """Observations of one gateway replica, written to the module's metrics."""
 
     def observe_http(self, route: str, status: int, seconds: float) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "services"
-SERVICES = ("generator", "learner", "reward", "coordinator", "env")
+SERVICES = ("generator", "learner", "reward", "coordinator", "env", "gateway")
 
 
 def module_name(path: Path) -> str:

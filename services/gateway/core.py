@@ -128,8 +128,9 @@ class GatewayCore:
             sample = await self.generators.generate(
                 plan.prompt, sampling, session.episode_id, session.min_version, f"gw-{plan.prompt.prompt_id}"
             )
-        except GatewayError as e:
-            if self.metrics is not None:
+        except BaseException as e:  # no answer (an error, or the agent's request cancelled)
+            session.unplan(plan)
+            if self.metrics is not None and isinstance(e, GatewayError):
                 self.metrics.failed(type(e).__name__)
             raise
         finally:

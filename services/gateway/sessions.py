@@ -182,6 +182,12 @@ class Session:
         self.planned += 1
         return Plan(index, prompt, room, parent, reason)
 
+    def unplan(self, plan: Plan) -> None:
+        """Give back a plan whose call got no answer, when no later one was made: a retry of
+        the request is then the same call (the same prompt id, so the same random stream)."""
+        if plan.index == self.planned - 1:
+            self.planned -= 1
+
     def _match(self, req: ChatRequest) -> tuple[int | None, str]:
         best, best_len = None, -1
         for i, c in enumerate(self.calls):

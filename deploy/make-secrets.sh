@@ -14,8 +14,8 @@
 #   client.crt, client.key  the callers' certificate (coordinator, learner, health probes, operators)
 #   token                the bearer token (64 hex characters) every call but health checks carries
 #
-# Server names: the compose service names (reward, env, generator, learner, coordinator), the
-# Kubernetes Services (reward, env, learner, coordinator) and each generator replica's stable name
+# Server names: the compose service names (reward, env, gateway, generator, learner, coordinator),
+# the Kubernetes Services (the same but generator), each generator replica's stable name
 # generator-<i>.generator-headless, i < --generators, and loopback (localhost, 127.0.0.1, ::1:
 # health probes and ports published on the host). gRPC treats a wildcard with one label after the
 # `*` (*.generator-headless) as invalid ("Invalid toplevel subdomain"), hence the generator names
@@ -68,7 +68,7 @@ umask 077
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-sans="DNS:reward,DNS:env,DNS:generator,DNS:learner,DNS:coordinator,DNS:localhost,IP:127.0.0.1,IP:::1"
+sans="DNS:reward,DNS:env,DNS:gateway,DNS:generator,DNS:learner,DNS:coordinator,DNS:localhost,IP:127.0.0.1,IP:::1"
 i=0
 while [ "$i" -lt "$generators" ]; do
     sans="$sans,DNS:generator-$i.generator-headless"

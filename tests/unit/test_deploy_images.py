@@ -34,17 +34,21 @@ from tests.kit.deploy import (  # the token-env fixture applies to every test he
     ROOT,
     SECRET_FILES,
     _no_token_env,  # noqa: F401
+    agent_models,
     assert_calls_with,
     assert_probes_over_tls,
+    assert_serves_agents_plain_http,
     assert_serves_tls_from,
     check_cli,
     container_config,
     env_server,
+    gateway_server,
     healthcheck_target,
     list_envs,
     make_secrets_dir,
     multi_turn,
     on_host,
+    open_session,
     relayrl_invocations,
     reward_server,
     run_probe,
@@ -141,6 +145,7 @@ def dockerfile_stages() -> dict[str, dict]:
 TARGETS = {  # image target -> (extra it installs, service it serves)
     "reward": ("reward", "reward"),
     "env": ("env", "env"),
+    "gateway": ("gateway", "gateway"),
     "coordinator": ("coordinator", "coordinator"),
     "learner": ("learner", "learner"),
     "generator": ("generator", "generator"),
@@ -193,7 +198,7 @@ def test_light_extras_pull_no_heavy_package():
 
     base = {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].lower() for r in project["dependencies"]}
     assert "env" in extras, "pyproject.toml has no env extra, which the env image installs (.[env])"
-    for light in ("reward", "env", "coordinator"):  # CPU-only images
+    for light in ("reward", "env", "gateway", "coordinator"):  # CPU-only images
         assert not (base | deps(light)) & HEAVY, light
     assert "kubernetes-validate" in deps("dev")
 
@@ -220,7 +225,12 @@ def test_images_run_unprivileged_with_grpc_health_checks_and_valid_commands(secr
             assert_calls_with(config.security, COMPOSE_SECRETS)
         assert healthcheck_target(hc) == (config.serve.port, FULL_NAME[svc])
         assert_probes_over_tls(hc, COMPOSE_SECRETS)
-        assert str(config.serve.port) in " ".join(_instr(stage, "EXPOSE")).split()
+        exposed = " ".join(_instr(stage, "EXPOSE")).split()
+        assert str(config.serve.port) in exposed
+        if svc == "gateway":  # its OpenAI API too; it calls the generators as the learner does
+            assert config.http.host == "0.0.0.0" and config.http.insecure and not config.http.tls_cert
+            assert_calls_with(config.client, COMPOSE_SECRETS)
+            assert str(config.http.port) in exposed
 
 
 def test_dockerfile_base_and_index_are_build_args():
@@ -261,6 +271,7 @@ def active_services(compose: dict, profiles: list[str]) -> set[str]:
 
 RELAYRL_SERVICES = ("reward", "generator", "learner", "coordinator")
 ENV = "env"  # the env service (multi-turn episodes), started with the `env` profile beside any stack
+GATEWAY = "gateway"  # the gateway (black-box episodes' agents), with the `gateway` profile beside env
 
 
 def compose_relayrl(compose: dict, name: str, secrets: Path):
@@ -284,6 +295,7 @@ def test_compose_services_and_profiles():
     assert active_services(compose, ["cpu", "ppo"]) == cpu | {"critic", "reference"}  # PPO's roles, opt-in
     for stack, services in (("cpu", cpu), ("gpu", gpu), ("gpu1", one)):  # multi-turn episodes, opt-in
         assert active_services(compose, [stack, "env"]) == services | {ENV}
+        assert active_services(compose, [stack, "env", "gateway"]) == services | {ENV, GATEWAY}
     for name in ("generator", "learner"):  # the same name on every profile for experiment and Prometheus
         for suffix in ("-gpu", "-1gpu"):
             assert compose["services"][f"{name}{suffix}"]["networks"]["default"]["aliases"] == [name]
@@ -291,7 +303,7 @@ def test_compose_services_and_profiles():
 
 COMPOSE_RELAYRL = [
     "reward", "generator", "learner", "coordinator", "generator-gpu", "learner-gpu", "generator-1gpu", "learner-1gpu",
-    "critic", "reference", "env",
+    "critic", "reference", "env", "gateway",
 ]  # fmt: skip
 LEARNER_ROLES = ("critic", "reference")  # learners of another role, served by `relayrl serve learner`
 
@@ -353,6 +365,9 @@ def test_compose_service_serves_calls_and_probes_with_tls_from_secrets(name, sec
     assert_probes_over_tls(probe, COMPOSE_SECRETS)
     if name.startswith("learner"):  # rank 0 calls the generators (weight-sync control)
         assert_calls_with(config.security, COMPOSE_SECRETS)
+    if name == GATEWAY:  # it calls the generators; its OpenAI API is the one plain HTTP server
+        assert_calls_with(config.client, COMPOSE_SECRETS)
+        assert_serves_agents_plain_http(config, GATEWAY)
     used = secret_paths(argv) | secret_paths(probe)
     assert used <= mounted_secrets(svc), (
         f"{name} names secrets it does not mount: {used - mounted_secrets(svc)}"
@@ -392,7 +407,7 @@ async def test_compose_wiring_end_to_end(secrets_dir):
 def test_compose_secrets_are_the_files_make_secrets_writes():
     compose = load_compose()
     assert compose["secrets"] == {name: {"file": f"./secrets/{name}"} for name in SECRET_FILES}
-    for name in (*RELAYRL_SERVICES, ENV):
+    for name in (*RELAYRL_SERVICES, ENV, GATEWAY):
         assert compose["services"][name]["secrets"] == list(SECRET_FILES)
     ignore = (COMPOSE_DIR / "secrets" / ".gitignore").read_text().split("\n")
     assert "*" in ignore and "!.gitignore" in ignore, "secret files must never be committed"
@@ -511,6 +526,79 @@ async def test_compose_env_service_end_to_end(secrets_dir):
             assert {"calc", "guess"} <= set(await list_envs(ch))
 
 
+def black_box_compose(secrets_dir: Path):
+    """The compose experiment made black-box, as compose.yaml and experiment.yaml say: the env
+    service in services.envs and the gateway's gRPC address in services.gateways."""
+    compose = load_compose()
+    env_port = compose_relayrl(compose, ENV, secrets_dir)[3].serve.port
+    port = compose_relayrl(compose, GATEWAY, secrets_dir)[3].serve.port
+    text = (COMPOSE_DIR / "experiment.yaml").read_text()
+    return multi_turn(text, [f"{ENV}:{env_port}"], secrets_dir.parent, gateways=[f"{GATEWAY}:{port}"])
+
+
+def test_compose_gateway_serves_black_box_experiments(secrets_dir):
+    """The gateway (profile `gateway`) runs `relayrl serve gateway` with its gRPC health check; its
+    gRPC address is what a black-box experiment's services.gateways names; its OpenAI API listens
+    on 8000 of the compose network, under the compose name it hands to agents; it samples on the
+    generator the experiment names, with the coordinator's client settings; nothing but its
+    secrets (no model, volume or GPU)."""
+    compose = load_compose()
+    svc, argv, args, config = compose_relayrl(compose, GATEWAY, secrets_dir)
+    assert argv[:3] == ["relayrl", "serve", "gateway"] and args.service == GATEWAY
+    assert svc["profiles"] == [GATEWAY] and svc["build"]["target"] == GATEWAY
+    assert healthcheck_target(svc["healthcheck"]["test"][1:]) == (config.serve.port, FULL_NAME[GATEWAY])
+    assert not {"volumes", "depends_on", "deploy", "security_opt"} & svc.keys()
+    assert config.http.port == 8000 and svc["expose"] == ["8000"]
+    assert_serves_agents_plain_http(config, GATEWAY)
+    assert "http.insecure=true" in svc["command"]  # said in the file, not left to an image default
+    exp = black_box_compose(secrets_dir)
+    assert exp.services.gateways == [f"{GATEWAY}:{config.serve.port}"] and exp.episodes is not None
+    assert config.generators == exp.services.generators
+    assert_calls_with(config.client, COMPOSE_SECRETS)
+    others = [s for n, s in compose["services"].items() if n != GATEWAY and "ports" in s]
+    published = {p.rsplit(":", 1)[-1] for s in others for p in s["ports"]}
+    assert not {str(config.serve.port), "8000"} & published, "the gateway's ports are taken"
+    metrics = {
+        compose_relayrl(compose, n, secrets_dir)[3].serve.metrics_port
+        for n in COMPOSE_RELAYRL
+        if n != GATEWAY
+    }
+    assert config.serve.metrics_port not in metrics
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+async def test_compose_gateway_end_to_end(scheme, secrets_dir):
+    """The real gateway as compose starts it (on the secrets make-secrets.sh made) answers its
+    compose health check; the coordinator's client settings open a session under the name
+    services.gateways dials; an agent lists the model at the URL it is handed, with the session's
+    key. https: the variant compose.yaml describes (http.tls_* from the secrets instead of
+    http.insecure), under a name the certificate holds, the agent trusting ca.crt."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed: no real certificates to serve with")
+    svc, argv, _args, _config = compose_relayrl(load_compose(), GATEWAY, secrets_dir)
+    if scheme == "https":
+        i = argv.index("http.insecure=true")
+        argv = [*argv[: i - 1], *argv[i + 1 :], "--set", f"http.tls_cert={COMPOSE_SECRETS}/tls.crt"]
+        argv = [*argv, "--set", f"http.tls_key={COMPOSE_SECRETS}/tls.key"]
+        argv[argv.index("--public-url") + 1] = f"https://{GATEWAY}:8000/v1"
+    _args, served = check_cli(on_host(argv, COMPOSE_SECRETS, secrets_dir))
+    assert served.http.public_url.startswith(f"{scheme}://") and bool(served.http.tls_cert) == (
+        scheme == "https"
+    )
+    exp = black_box_compose(secrets_dir).services
+    sec = ClientSecurity(**{k: v and on_host([v], COMPOSE_SECRETS, secrets_dir)[0] for k, v in exp.security})
+    async with gateway_server(served) as (port, http_port):
+        probe = on_host(svc["healthcheck"]["test"][1:], COMPOSE_SECRETS, secrets_dir)
+        assert await run_probe(probe, port) == 0
+        (host,) = [a.rsplit(":", 1)[0] for a in exp.gateways]
+        name = [("grpc.ssl_target_name_override", host)]
+        async with security.client_channel(f"127.0.0.1:{port}", sec, options=name) as ch:
+            opened = await open_session(ch)
+        assert opened.base_url == served.http.public_url
+        models = await agent_models(opened.base_url, http_port, opened.session_key, secrets_dir / "ca.crt")
+        assert models == [served.model_name]
+
+
 def prometheus_targets(path: Path) -> dict[str, list[str]]:
     conf = yaml.safe_load(path.read_text())
     return {
@@ -522,7 +610,7 @@ def prometheus_targets(path: Path) -> dict[str, list[str]]:
 def test_compose_prometheus_scrapes_every_metrics_port(secrets_dir):
     compose = load_compose()
     targets = prometheus_targets(COMPOSE_DIR / "prometheus.yml")
-    for name in (*RELAYRL_SERVICES, *LEARNER_ROLES, ENV):
+    for name in (*RELAYRL_SERVICES, *LEARNER_ROLES, ENV, GATEWAY):
         assert f"{name}:{compose_relayrl(compose, name, secrets_dir)[3].serve.metrics_port}" in targets[name]
     for name in ("generator", "learner"):  # the GPU variants answer on the same names and ports
         assert (

@@ -31,14 +31,17 @@ from tests.kit.deploy import (  # the token-env fixture applies to every test he
     ROOT,
     SECRET_FILES,
     _no_token_env,  # noqa: F401
+    agent_models,
     assert_calls_with,
     assert_probes_over_tls,
+    assert_serves_agents_plain_http,
     assert_serves_tls_from,
     check_cli,
     container_config,
     env_server,
     expand,
     flag,
+    gateway_server,
     healthcheck_args,
     healthcheck_target,
     list_envs,
@@ -46,6 +49,7 @@ from tests.kit.deploy import (  # the token-env fixture applies to every test he
     make_secrets_dir,
     multi_turn,
     on_host,
+    open_session,
     relayrl_invocations,
     reward_server,
     run_probe,
@@ -263,7 +267,7 @@ def test_k8s_commands_parse_with_the_cli(overlay, rendered, secrets_dir):
             assert ann["prometheus.io/port"] == str(config.serve.metrics_port)
         else:
             seen.add(f"{args.command}")
-    assert seen == {"reward", "env", "generator", "learner", "coordinator", "model"}
+    assert seen == {"reward", "env", "gateway", "generator", "learner", "coordinator", "model"}
 
 
 def _serve(doc: dict, secrets: Path) -> tuple[dict, list[str], object]:
@@ -276,7 +280,7 @@ def _serve(doc: dict, secrets: Path) -> tuple[dict, list[str], object]:
     return c, argv, container_config(argv)
 
 
-SERVERS = ("generator", "reward", "env", "coordinator", "learner")
+SERVERS = ("generator", "reward", "env", "gateway", "coordinator", "learner")
 LEARNER_ROLES = ("critic", "reference")  # PPO's other learners (the cpu-ppo overlay)
 
 
@@ -344,6 +348,9 @@ def test_k8s_services_serve_and_call_with_tls_from_mounted_secrets(overlay, rend
         assert_serves_tls_from(config, K8S_SECRETS)
         if name == "learner":  # rank 0 calls the generators (weight-sync control)
             assert_calls_with(config.security, K8S_SECRETS)
+        if name == "gateway":  # it calls the generators; its OpenAI API is the one plain HTTP server
+            assert_calls_with(config.client, K8S_SECRETS)
+            assert_serves_agents_plain_http(config, "gateway")
         files = _secret_volume(pod, c, K8S_SECRETS)
         used = secret_paths(argv).union(*(secret_paths(probe_argv(c, p)) for p in PROBES))
         assert used <= files.keys(), f"{name} names secrets it does not mount: {used - files.keys()}"
@@ -443,7 +450,7 @@ def test_k8s_cert_manager_example_fills_the_same_secrets(rendered, tmp_path):
     (tmp_path / "experiment.yaml").write_text(cm["data"]["experiment.yaml"])
     exp = load_experiment(tmp_path / "experiment.yaml").services
     hosts = {a.rsplit(":", 1)[0] for a in [*exp.generators, *exp.rewards, exp.learner]}
-    assert hosts | {"coordinator", "env"} <= set(certs["relayrl-tls"]["dnsNames"])
+    assert hosts | {"coordinator", "env", "gateway"} <= set(certs["relayrl-tls"]["dnsNames"])
     assert "127.0.0.1" in certs["relayrl-tls"]["ipAddresses"]
 
 
@@ -548,6 +555,73 @@ async def test_k8s_env_service_end_to_end(rendered, secrets_dir, tmp_path):
         name = [("grpc.ssl_target_name_override", host)]
         async with security.client_channel(f"127.0.0.1:{port}", sec, options=name) as ch:
             assert {"calc", "guess"} <= set(await list_envs(ch))
+
+
+def black_box_k8s(docs: list[dict], folder: Path, secrets: Path):
+    """The Kubernetes experiment made black-box, as gateway.yaml and experiment.yaml say: the env
+    Service in services.envs and the gateway's in services.gateways, with their gRPC ports."""
+    workloads = _workloads(docs)
+    env, gateway = (_serve(workloads[n], secrets)[2].serve.port for n in ("env", "gateway"))
+    cm = by_kind(docs, "ConfigMap")["relayrl-experiment"]
+    return multi_turn(cm["data"]["experiment.yaml"], [f"env:{env}"], folder, gateways=[f"gateway:{gateway}"])
+
+
+@pytest.mark.parametrize("overlay", KUSTOMIZATIONS, ids=KIDS)
+def test_k8s_gateway_a_black_box_experiment_and_its_agents_reach(overlay, rendered, tmp_path, secrets_dir):
+    """Every variant runs the gateway (`relayrl serve gateway`, CPU only, one image for all) as one
+    pod behind the Service an experiment names in services.gateways (gRPC) and whose name the URL
+    handed to agents carries (HTTP on 8000): one pod, since its sessions live in its memory. It
+    samples on the generators the experiment names, with the coordinator's client settings, and
+    is probed over gRPC health like the others (test_k8s_probes_check_grpc_health_over_tls)."""
+    docs = rendered[overlay]
+    workloads, services = _workloads(docs), by_kind(docs, "Service")
+    gateway = workloads["gateway"]
+    assert gateway["kind"] == "Deployment" and gateway["spec"]["replicas"] == 1
+    assert gateway["spec"]["strategy"] == {"type": "Recreate"}  # never two pods behind the Service
+    c, argv, config = _serve(gateway, secrets_dir)
+    assert argv[:3] == ["relayrl", "serve", "gateway"]
+    assert c["image"] == "relayrl/gateway:0.1.0" and "nvidia.com/gpu" not in c["resources"].get("limits", {})
+    assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
+    assert [m["mountPath"] for m in c["volumeMounts"]] == [K8S_SECRETS]  # no model, data or runs
+    assert {p["name"]: p["containerPort"] for p in c["ports"]}["http"] == config.http.port == 8000
+    ports = {p["name"]: p["port"] for p in services["gateway"]["spec"]["ports"]}
+    assert ports == {
+        "grpc": config.serve.port,
+        "http": config.http.port,
+        "metrics": config.serve.metrics_port,
+    }
+    selector = services["gateway"]["spec"]["selector"]
+    assert selector.items() <= gateway["spec"]["template"]["metadata"]["labels"].items()
+    assert_serves_agents_plain_http(config, "gateway")
+    assert config.http.public_url == f"http://gateway:{ports['http']}/v1"  # the Service's port
+    exp = black_box_k8s(docs, tmp_path, secrets_dir)
+    assert exp.services.gateways == [f"gateway:{config.serve.port}"] and exp.episodes is not None
+    assert config.generators == exp.services.generators
+    assert_calls_with(config.client, K8S_SECRETS)
+    assert_calls_with(exp.services.security, K8S_SECRETS)
+
+
+async def test_k8s_gateway_end_to_end(rendered, secrets_dir, tmp_path):
+    """The real gateway as its pod starts it (on the secrets make-secrets.sh made) passes its
+    readiness probe; the coordinator's client settings open a session at the Service name; an
+    agent lists the model at the URL it is handed, with the session's key."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed: no real certificates to serve with")
+    workloads = _workloads(rendered["cpu"])
+    c, argv, _config = _serve(workloads["gateway"], secrets_dir)
+    _args, served = check_cli(on_host(argv, K8S_SECRETS, secrets_dir))
+    exp = black_box_k8s(rendered["cpu"], tmp_path, secrets_dir).services
+    sec = ClientSecurity(**{k: v and on_host([v], K8S_SECRETS, secrets_dir)[0] for k, v in exp.security})
+    async with gateway_server(served) as (port, http_port):
+        probe = on_host(probe_argv(c, "readinessProbe"), K8S_SECRETS, secrets_dir)
+        assert await run_probe(probe, port) == 0
+        (host,) = [a.rsplit(":", 1)[0] for a in exp.gateways]
+        name = [("grpc.ssl_target_name_override", host)]
+        async with security.client_channel(f"127.0.0.1:{port}", sec, options=name) as ch:
+            opened = await open_session(ch)
+        assert opened.base_url == served.http.public_url
+        models = await agent_models(opened.base_url, http_port, opened.session_key, secrets_dir / "ca.crt")
+        assert models == [served.model_name]
 
 
 def test_k8s_ppo_overlay_adds_critic_and_reference_the_ppo_experiment_reaches(

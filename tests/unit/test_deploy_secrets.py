@@ -34,10 +34,11 @@ from tests.kit.deploy import (  # the token-env fixture applies to every test he
 )
 
 REWARD = FULL_NAME["reward"]
-COMPOSE_NAMES = ("reward", "env", "generator", "learner", "coordinator")
+COMPOSE_NAMES = ("reward", "env", "gateway", "generator", "learner", "coordinator")
 K8S_NAMES = (
     "reward",
     "env",
+    "gateway",
     "learner",
     "coordinator",
     "generator-0.generator-headless",

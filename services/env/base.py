@@ -12,6 +12,11 @@ worker thread, one call at a time:
 * ``reward() -> Reward``: the episode's reward, components and outcome, asked once at Close.
 * ``close()``: free what the session holds (always called once, even after a failure).
 
+A black-box env (``black_box = True``, e.g. ``harness.py``) runs an agent of its own, which calls
+the model through the gateway's OpenAI API: the service sets ``gateway`` (the episode's endpoint
+and key, from ResetRequest.gateway) on the instance before ``reset``, and the caller sends one
+Step, in which the agent plays the whole episode.
+
 A tool error the model caused is an observation (``ToolEnv`` in ``tools.py`` does this for
 method tools). Anything ``reset``/``step``/``reward`` raise, other than ``TaskError``, is the
 environment's own failure: the episode is redone (Outcome REDO, failure kind "env_crashed", or
@@ -113,6 +118,22 @@ class Reward(NamedTuple):
 
 
 @dataclass(frozen=True)
+class GatewayEndpoint:
+    """Where a black-box env's agent reaches the model: the gateway's OpenAI-compatible API for one
+    episode (relayrl.env.v1.GatewayEndpoint; the service checks its bounds)."""
+
+    base_url: str
+    """e.g. "http://127.0.0.1:8000/v1": http or https, at most 512 characters."""
+    api_key: str
+    """Bearer key of the episode's gateway session (a secret: never logged)."""
+    model: str
+    """Model name to put in requests."""
+
+    def __repr__(self) -> str:  # the key stays out of logs and tracebacks
+        return f"GatewayEndpoint(base_url={self.base_url!r}, api_key='***', model={self.model!r})"
+
+
+@dataclass(frozen=True)
 class Limits:
     """Bounds the service sets on every env it makes (from its config)."""
 
@@ -140,8 +161,15 @@ class Env:
     """True when the env runs the model's code: a replica serving it starts a sandbox
     (``relayrl.common.sandbox``) and hands it to each instance as ``sandbox``."""
 
+    black_box: ClassVar[bool] = False
+    """True when the env runs its own agent against the gateway (EnvInfo.black_box): a Reset must
+    carry a gateway endpoint, and the caller sends one Step with an empty action."""
+
     limits: Limits = Limits()
     """Set by the service on each instance."""
+    gateway: GatewayEndpoint | None = None
+    """The episode's gateway endpoint, set by the service before ``reset`` when the Reset carries
+    one (always, for a black-box env); else None."""
     sandbox: Any = None
     """The replica's ``Sandbox``, set by the service on envs that need one (else None)."""
     deadline: float | None = None

@@ -1,7 +1,8 @@
 """The environments a replica runs: the built-ins (``calc``, ``guess``) and plugins given as
 ``module:Class``, either an ``Env`` subclass or a TRL-style class (``adapters.py``). A plugin
 may replace a built-in of the same name, never another plugin. Built-ins that run the model's
-code (``pyexec``) are served on request, named in ``plugins`` like one (``ON_REQUEST``)."""
+code (``pyexec``) or an agent (``calc-harness``) in the sandbox are served on request, named in
+``plugins`` like one (``ON_REQUEST``)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from relayrl.env.calc import CalcEnv
 from relayrl.env.guess import GuessEnv
 
 BUILTINS: tuple[type[Env], ...] = (CalcEnv, GuessEnv)
-ON_REQUEST = {"pyexec": "relayrl.env.pyexec:PyExecEnv"}
+ON_REQUEST = {
+    "pyexec": "relayrl.env.pyexec:PyExecEnv",
+    "calc-harness": "relayrl.env.harness:CalcHarnessEnv",
+}
 """Built-ins served only when named in ``plugins``: they run the model's code, and a replica
 starts (and probes) its sandbox only for envs that need one."""
 
@@ -55,6 +59,9 @@ def _checked(cls: type[Env], ref: str) -> type[Env]:
         raise PluginError(f"plugin {ref}: tools are not JSON: {e}") from None
     if not isinstance(cls.tools, list):
         raise PluginError(f"plugin {ref}: tools must be a list of function schemas")
+    for flag in ("black_box", "needs_sandbox", "expects_tools"):
+        if not isinstance(getattr(cls, flag), bool):
+            raise PluginError(f"plugin {ref}: {flag} must be True or False, got {getattr(cls, flag)!r:.40}")
     return cls
 
 

@@ -15,8 +15,9 @@ import socket
 from relayrl.common.rpc import DeadlineExceeded, InvalidRequest, ServiceError, map_errors
 from relayrl.common.v1 import common_pb2
 from relayrl.env import metrics
-from relayrl.env.base import Action, Outcome, ToolCall, ToolStatus
+from relayrl.env.base import Action, GatewayEndpoint, Outcome, ToolCall, ToolStatus
 from relayrl.env.config import EnvConfig
+from relayrl.env.forward import gateway_address
 from relayrl.env.sessions import SessionTable
 from relayrl.env.v1 import env_pb2, env_pb2_grpc
 
@@ -27,6 +28,9 @@ MAX_TOOL_CALLS = 64
 MAX_ARGUMENTS_BYTES = 64 << 10
 MAX_CALL_ID_CHARS = 64
 MAX_TOOL_NAME_CHARS = 128
+MAX_GATEWAY_URL_CHARS = 512
+MAX_GATEWAY_KEY_CHARS = 256
+MAX_GATEWAY_MODEL_CHARS = 256
 MIN_TIME_SECONDS = 0.05
 """A call with less time left than this is DEADLINE_EXCEEDED before any env code runs."""
 
@@ -64,6 +68,32 @@ def task_from_json(text: str) -> dict:
     if not isinstance(task, dict):
         raise InvalidRequest(f"task_json must be a JSON object, got {type(task).__name__}")
     return task
+
+
+def gateway_from_proto(request: env_pb2.ResetRequest) -> GatewayEndpoint | None:
+    """ResetRequest.gateway, bounds checked; None when unset."""
+    if not request.HasField("gateway"):
+        return None
+    g = request.gateway
+    if not g.base_url:
+        raise InvalidRequest("gateway.base_url is required")
+    if len(g.base_url) > MAX_GATEWAY_URL_CHARS:
+        raise InvalidRequest(f"gateway.base_url is longer than {MAX_GATEWAY_URL_CHARS} characters")
+    if not g.base_url.isprintable() or " " in g.base_url:
+        raise InvalidRequest("gateway.base_url has spaces or control characters")
+    try:
+        gateway_address(g.base_url)
+    except ValueError as e:  # not http(s), no host, a port out of range
+        raise InvalidRequest(str(e)) from None
+    for field, value, limit in (
+        ("api_key", g.api_key, MAX_GATEWAY_KEY_CHARS),
+        ("model", g.model, MAX_GATEWAY_MODEL_CHARS),
+    ):
+        if len(value) > limit:
+            raise InvalidRequest(f"gateway.{field} is longer than {limit} characters")
+        if not value.isprintable():  # it goes into an HTTP header and an environment variable
+            raise InvalidRequest(f"gateway.{field} has control characters")
+    return GatewayEndpoint(g.base_url, g.api_key, g.model)
 
 
 def action_from_proto(a: env_pb2.Action) -> Action:
@@ -133,6 +163,7 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
                     expects_tools=s.cls.expects_tools,
                     max_turns=s.cls.max_turns,
                     description=s.cls.description,
+                    black_box=s.cls.black_box,
                 )
                 for s in self.table.specs.values()
             ],
@@ -152,8 +183,15 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         if not request.env:
             raise InvalidRequest("env is required")
         task = task_from_json(request.task_json)
+        gateway = gateway_from_proto(request)
         opened = await self.table.open(
-            request.env, task, request.seed, request.episode_id, request.attempt, self._limit(context)
+            request.env,
+            task,
+            request.seed,
+            request.episode_id,
+            request.attempt,
+            self._limit(context),
+            gateway,
         )
         return env_pb2.ResetResponse(
             session_id=opened.session_id,

@@ -46,6 +46,7 @@ from relayrl.env import metrics
 from relayrl.env.base import (
     Action,
     EnvUnavailable,
+    GatewayEndpoint,
     Limits,
     Outcome,
     Reward,
@@ -185,8 +186,10 @@ def check_reward(r: object) -> Reward:
     )
 
 
-def _fingerprint(env: str, task: dict, seed: int) -> str:
-    raw = json.dumps([env, seed, task], sort_keys=True, default=str).encode()
+def _fingerprint(env: str, task: dict, seed: int, gateway: GatewayEndpoint | None = None) -> str:
+    # The gateway too: a retried Reset must talk to the same gateway session.
+    where = None if gateway is None else [gateway.base_url, gateway.api_key, gateway.model]
+    raw = json.dumps([env, seed, task, *([where] if where else [])], sort_keys=True, default=str).encode()
     return hashlib.sha256(raw).hexdigest()
 
 
@@ -209,7 +212,14 @@ class SessionTable:
     # ---- calls -------------------------------------------------------------------------------
 
     async def open(
-        self, env: str, task: dict, seed: int, episode_id: str, attempt: int, limit: float
+        self,
+        env: str,
+        task: dict,
+        seed: int,
+        episode_id: str,
+        attempt: int,
+        limit: float,
+        gateway: GatewayEndpoint | None = None,
     ) -> Opened:
         self._serving()
         spec = self.specs.get(env)
@@ -222,7 +232,11 @@ class SessionTable:
             raise InvalidRequest(
                 f"unknown env {cut(env, 128)!r}; this replica runs: {', '.join(self.specs)}{how}"
             )
-        key, fingerprint = (episode_id, attempt), _fingerprint(env, task, seed)
+        if spec.cls.black_box and gateway is None:
+            raise InvalidRequest(
+                f"env {env} runs a black-box agent: its Reset must carry a gateway (ResetRequest.gateway)"
+            )
+        key, fingerprint = (episode_id, attempt), _fingerprint(env, task, seed, gateway)
         s = self.by_key.get(key)
         if s is not None:
             if s.fingerprint != fingerprint:
@@ -241,7 +255,7 @@ class SessionTable:
         s = Session(f"{self._next:x}-{fingerprint[:16]}", key, spec, fingerprint)
         self.live[s.id] = self.by_key[key] = s
         metrics.SESSIONS_OPEN.set(len(self.live))
-        return await to_the_end(self._open(s, task, seed, limit))
+        return await to_the_end(self._open(s, task, seed, limit, gateway))
 
     async def step(self, session_id: str, index: int, action: Action, limit: float) -> StepOut:
         s = self._session(session_id)
@@ -308,12 +322,15 @@ class SessionTable:
         logger.warning("session %s (%s): %s", s.id, s.spec.name, reason, exc_info=exc)
         s.failure = (kind, cut(reason, MAX_FAILURE_REASON_CHARS))
 
-    async def _open(self, s: Session, task: dict, seed: int, limit: float) -> Opened:
+    async def _open(
+        self, s: Session, task: dict, seed: int, limit: float, gateway: GatewayEndpoint | None
+    ) -> Opened:
         name = s.spec.name
 
         def reset() -> list[dict]:
             s.env = s.spec.cls()
             s.env.limits = self.limits
+            s.env.gateway = gateway
             if s.spec.cls.needs_sandbox:
                 s.env.sandbox = self.sandbox
             return check_messages(s.env.reset(task, seed), ("system", "user", "assistant"), "reset")

@@ -8,7 +8,8 @@ the previous one started in that slot is dead.
 
 Never raises for what the code does (that is the :class:`RunResult`); raises
 ``SandboxUnavailable`` when the sandbox itself cannot run, and ``ValueError`` for a bad request
-(a file name with a slash).
+(a file name with a slash, a bind into /usr, a bind at all in tier ``rlimits-only``, which has no
+mount namespace: there a job sees the host's files and network as the service's user does).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import shutil
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
+from relayrl.common.sandbox.extras import check_binds, check_env
 from relayrl.common.sandbox.limits import (
     RunResult,
     SandboxConfig,
@@ -31,7 +33,13 @@ from relayrl.common.sandbox.limits import (
     Verdict,
 )
 from relayrl.common.sandbox.procs import kill_user
-from relayrl.common.sandbox.runner import Job, Slot, check_files, resolve_python, run_job
+from relayrl.common.sandbox.runner import (
+    Job,
+    Slot,
+    check_files,
+    resolve_python,
+    run_job,
+)
 
 logger = logging.getLogger(__name__)
 UID_LOCKS = "/run/lock/relayrl-sandbox-users" if os.path.isdir("/run/lock") else "/tmp/relayrl-sandbox-users"
@@ -85,10 +93,15 @@ class Sandbox:
         stdin: str = "",
         limits: SandboxLimits | None = None,
         files: Mapping[str, str] | None = None,
+        *,
+        binds: Mapping[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> RunResult:
         """Run ``code`` as a Python program (``python3 -I -S -B /tmp/main.py``, cwd /tmp) with
-        ``stdin`` and ``files`` written into its /tmp first; waits for a free worker."""
-        job = self._job(code, stdin, limits, files)
+        ``stdin`` and ``files`` written into its /tmp first; waits for a free worker. ``binds``
+        (host path -> path inside, read-only; tier ``full`` only) mounts host paths into the job;
+        ``env`` adds environment variables to its PATH and HOME (names other than those two)."""
+        job = self._job(code, stdin, limits, files, binds, env)
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._run, job)
 
     def run_sync(
@@ -97,9 +110,12 @@ class Sandbox:
         stdin: str = "",
         limits: SandboxLimits | None = None,
         files: Mapping[str, str] | None = None,
+        *,
+        binds: Mapping[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> RunResult:
         """``run`` for a thread (blocks it until a worker is free and the job has ended)."""
-        return self._run(self._job(code, stdin, limits, files))
+        return self._run(self._job(code, stdin, limits, files, binds, env))
 
     def close(self) -> None:
         """Stop taking async jobs (those running end under their own limits); give the slots'
@@ -130,11 +146,21 @@ class Sandbox:
         raise SandboxUnavailable(f"no free sandbox user in {base}..{base + 4095}")
 
     def _job(
-        self, code: str, stdin: str, limits: SandboxLimits | None, files: Mapping[str, str] | None
+        self,
+        code: str,
+        stdin: str,
+        limits: SandboxLimits | None,
+        files: Mapping[str, str] | None,
+        binds: Mapping[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> Job:
         if not isinstance(code, str) or not isinstance(stdin, str):
             raise ValueError("sandbox code and stdin must be text")
-        return Job(code, stdin, check_files(files), limits or self.limits)
+        if binds and self.tier != "full":
+            raise ValueError(
+                f"sandbox binds need tier full (this sandbox is {self.tier}: no mount namespace)"
+            )
+        return Job(code, stdin, check_files(files), limits or self.limits, check_binds(binds), check_env(env))
 
     def _run(self, job: Job) -> RunResult:
         slot = self._slots.get()

@@ -1,7 +1,10 @@
 """One sandboxed job: the command line, the process, its output and its verdict.
 
-In: the program's code, its stdin, files for its /tmp, limits and a worker slot. Out: a
-:class:`RunResult`. The pool (``pool.py``) decides when a job runs; this module how.
+In: the program's code, its stdin, files for its /tmp, limits and a worker slot; optionally host
+paths bound into the job (``binds``, full tier only: a Unix socket a harness env's agent reaches
+the gateway through) and environment variables (``env``; the job's environment is otherwise only
+PATH and HOME). Out: a :class:`RunResult`. The pool (``pool.py``) decides when a job runs; this
+module how.
 
 The full tier's command, outside in::
 
@@ -37,8 +40,9 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from relayrl.common.sandbox.extras import env_args
 from relayrl.common.sandbox.limits import RunResult, SandboxLimits, SandboxUnavailable, Tier, Verdict
 from relayrl.common.sandbox.procs import kill_user, reap_init
 from relayrl.common.sandbox.seccomp import filter_program
@@ -102,9 +106,16 @@ def bwrap_argv(
     proc: bool = True,
     uid: int | None = None,
     seccomp_fd: int | None = None,
+    binds: Mapping[str, str] | None = None,
+    env_fd: int | None = None,
 ) -> list[str]:
     """The full tier's command; ``fds`` maps each /tmp file name (main.py first) to the open file
-    descriptor bwrap copies it from; bwrap reports its init's host pid on ``status_fd``."""
+    descriptor bwrap copies it from; bwrap reports its init's host pid on ``status_fd``. ``binds``
+    (checked by ``check_binds``) are mounted read-only: a Unix socket in one still takes
+    connections (connecting needs write permission on the socket, not a writable mount), and the
+    job can neither replace nor remove it. ``env_fd`` holds more bwrap arguments (``env_args``:
+    the job's extra environment), read after PATH and HOME are set; through a descriptor, so that
+    a secret (an API key) never shows in the host's process list."""
     argv = [*setpriv(uid), bwrap]
     argv += ["--unshare-user", "--uid", "65534", "--gid", "65534"]
     if proc:  # it writes /proc/sys, which container runtimes mount read-only (seccomp refuses too)
@@ -129,12 +140,16 @@ def bwrap_argv(
     argv += ["--size", str(limits.tmp_mb * _MIB), "--tmpfs", "/tmp"]
     for name, fd in fds.items():
         argv += ["--file", str(fd), f"/tmp/{name}"]
+    for host, inside in (binds or {}).items():
+        argv += ["--ro-bind", host, inside]
     # bwrap builds / and /dev on tmpfs mounts of no set size: read-only, so that /tmp (sized) is
     # the only place a job can write to memory (device nodes such as /dev/null still take writes).
     argv += ["--remount-ro", "/dev", "--remount-ro", "/"]
     if seccomp_fd is not None:
         argv += ["--seccomp", str(seccomp_fd)]
     argv += ["--chdir", "/tmp", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp"]
+    if env_fd is not None:
+        argv += ["--args", str(env_fd)]
     argv += ["--", "prlimit", *rlimit_args(limits), "--", python, "-I", "-S", "-B", f"/tmp/{MAIN}"]
     return argv
 
@@ -219,6 +234,10 @@ class Job:
     stdin: str
     files: dict[str, str]
     limits: SandboxLimits
+    binds: dict[str, str] = field(default_factory=dict)
+    """Host path -> path inside (full tier only; ``check_binds``)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables (``check_env``)."""
 
 
 def run_job(
@@ -227,7 +246,7 @@ def run_job(
     """Run ``job`` in ``slot``: its result, and whether it looks like bwrap failed to start (to
     be confirmed by the caller before it is believed)."""
     fds: dict[str, int] = {}  # the job's files, copied into its /tmp by bwrap
-    extra: list[int] = []  # other descriptors bwrap reads (the seccomp filter)
+    extra: list[int] = []  # other descriptors bwrap reads (the seccomp filter, the env)
     tmpdir = None
     stdin_fd = _memfd("stdin", job.stdin)
     status = None
@@ -241,9 +260,17 @@ def run_job(
             if program is not None:
                 extra.append(_memfd("seccomp", program))
             seccomp_fd = extra[0] if extra else None
-            argv = bwrap_argv(bwrap, python, job.limits, fds, status[1], proc, slot.uid, seccomp_fd)
+            env_fd = None
+            if job.env:
+                env_fd = _memfd("env", env_args(job.env))
+                extra.append(env_fd)
+            argv = bwrap_argv(
+                bwrap, python, job.limits, fds, status[1], proc, slot.uid, seccomp_fd, job.binds, env_fd
+            )
             cwd = "/"
         else:
+            if job.binds:  # no mount namespace to bind into (the pool refuses these jobs first)
+                raise ValueError("sandbox binds need tier full")
             tmpdir = tempfile.mkdtemp(prefix="relayrl-sandbox-")
             for name, text in {MAIN: job.code, **job.files}.items():
                 with open(os.path.join(tmpdir, name), "w") as f:
@@ -252,7 +279,10 @@ def run_job(
                 for p in [tmpdir, *(os.path.join(tmpdir, n) for n in os.listdir(tmpdir))]:
                     os.chown(p, slot.uid, slot.uid)
             argv, cwd = plain_argv(python, job.limits, slot.uid is not None, slot.uid), tmpdir
-        return _spawn_and_wait(argv, cwd, stdin_fd, [*fds.values(), *extra], job.limits, slot, status)
+        # The rlimits-only tier's job inherits the environment of setpriv and prlimit; bwrap's is
+        # set by its arguments (``env_fd``).
+        env = job.env if tier != "full" else None
+        return _spawn_and_wait(argv, cwd, stdin_fd, [*fds.values(), *extra], job.limits, slot, status, env)
     finally:
         for fd in [stdin_fd, *fds.values(), *extra, *(status or ())]:
             os.close(fd)
@@ -268,6 +298,7 @@ def _spawn_and_wait(
     limits: SandboxLimits,
     slot: Slot,
     status: tuple[int, int] | None,
+    env: Mapping[str, str] | None = None,
 ) -> tuple[RunResult, bool]:
     via_bwrap = status is not None
     if status is not None:
@@ -276,7 +307,7 @@ def _spawn_and_wait(
     try:
         proc = subprocess.Popen(
             argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=pass_fds,
-            cwd=cwd, env={"PATH": "/usr/bin:/bin"}, start_new_session=True,
+            cwd=cwd, env={**(env or {}), "PATH": "/usr/bin:/bin"}, start_new_session=True,
         )  # fmt: skip
     except OSError as e:
         raise SandboxUnavailable(f"cannot start the sandbox ({argv[0]}): {e}") from e

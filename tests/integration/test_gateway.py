@@ -20,7 +20,6 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
-from relayrl.common.v1 import common_pb2 as c
 from relayrl.gateway.v1 import gateway_pb2 as gw
 from relayrl.gateway.v1 import gateway_pb2_grpc as gwg
 

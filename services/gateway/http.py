@@ -165,12 +165,12 @@ class _Routes:
                 f"model {req.model!r} does not exist: this gateway serves {self.sessions.model!r}",
                 param="model",
             )
-        timeout = asyncio.timeout(self.request_timeout_s)
+        timeout = None
         try:
-            async with timeout:
+            async with asyncio.timeout(self.request_timeout_s) as timeout:
                 answer = await self.sessions.complete(key, req)
         except TimeoutError:
-            if not timeout.expired():
+            if timeout is None or not timeout.expired():
                 raise  # raised inside complete, not our deadline: a 500
             raise UpstreamTimeout(f"no answer within {self.request_timeout_s:g} s") from None
         if not req.stream:

@@ -133,7 +133,9 @@ def test_the_official_client_and_curl_get_answers_streamed_and_with_tools(stack)
         assert choice.message.tool_calls[0].function.name == "calc"
         json.loads(choice.message.tool_calls[0].function.arguments)
     parts, calls = [], []
-    for chunk in client.chat.completions.create(model=opened.model, messages=messages, tools=_tools(), stream=True):
+    for chunk in client.chat.completions.create(
+        model=opened.model, messages=messages, tools=_tools(), stream=True
+    ):
         for ch in chunk.choices:
             parts.append(ch.delta.content or "")
             calls += ch.delta.tool_calls or []
@@ -160,8 +162,12 @@ def test_an_agent_through_the_gateway_yields_the_white_box_episodes_exactly(stac
     for k in a:
         assert a[k][:3] == b[k][:3], k
         assert a[k][3].logprobs == pytest.approx(b[k][3].logprobs, abs=1e-4)
-    assert [r.reward for _, _, rs in white.groups for r in rs] == [r.reward for _, _, rs in black.groups for r in rs]
-    assert white.stats["tool_calls_per_episode"] > 0 and white.stats["turns_per_episode"] > 1  # tool turns ran
+    assert [r.reward for _, _, rs in white.groups for r in rs] == [
+        r.reward for _, _, rs in black.groups for r in rs
+    ]
+    assert (
+        white.stats["tool_calls_per_episode"] > 0 and white.stats["turns_per_episode"] > 1
+    )  # tool turns ran
     assert black.stats["history_breaks"] == 0
 
 
@@ -182,9 +188,13 @@ def test_an_in_test_agent_on_the_official_client_matches_the_white_box_episode(s
         env = CalcEnv()
         messages = env.reset(row, env_seed(11, eid))
         for _ in range(3):
-            r = client.chat.completions.create(model=opened.model, messages=messages, tools=_tools()).choices[0]
+            r = client.chat.completions.create(model=opened.model, messages=messages, tools=_tools()).choices[
+                0
+            ]
             messages.append(r.message.model_dump(exclude_none=True))
-            calls = tuple(ToolCall(t.id, t.function.name, t.function.arguments) for t in r.message.tool_calls or [])
+            calls = tuple(
+                ToolCall(t.id, t.function.name, t.function.arguments) for t in r.message.tool_calls or []
+            )
             observations, done, _ = env.step(Action(r.message.content or "", calls, r.finish_reason))
             if done or r.finish_reason == "length":
                 break
@@ -201,7 +211,9 @@ def _stop_ids(stack) -> list[int]:
     from relayrl.generator.v1 import generator_pb2_grpc as gg
 
     with grpc.insecure_channel(stack.gen) as ch:
-        check = gg.GeneratorServiceStub(ch).CheckChat(g.CheckChatRequest(tools_json="", tool_format="hermes"), timeout=60)
+        check = gg.GeneratorServiceStub(ch).CheckChat(
+            g.CheckChatRequest(tools_json="", tool_format="hermes"), timeout=60
+        )
     return list(check.stop_token_ids)
 
 
@@ -212,7 +224,10 @@ def test_a_rewritten_history_is_a_counted_break_and_its_segments_make_learner_sa
 
     opened = _open(stack, "rewrite/0", stop_token_ids=_stop_ids(stack))
     client = openai.OpenAI(base_url=opened.base_url, api_key=opened.session_key, max_retries=0)
-    messages = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "What is 2 * 3?"}]
+    messages = [
+        {"role": "system", "content": "Answer with a number."},
+        {"role": "user", "content": "What is 2 * 3?"},
+    ]
     first = client.chat.completions.create(model=opened.model, messages=messages).choices[0].message
     # The agent summarizes: its history is rewritten (the system message edited, its answer dropped).
     edited = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 * 3 = ?"}]
@@ -226,7 +241,10 @@ def test_a_rewritten_history_is_a_counted_break_and_its_segments_make_learner_sa
     assert len(train) == 2
     for t, seg in zip(train, closed.segments, strict=True):
         assert list(t.completion_token_ids) == list(seg.calls[0].completion_token_ids)
-        assert len(t.loss_mask) == len(t.completion_token_ids) == len(t.generator_logprobs) and t.advantage == 0.5
+        assert (
+            len(t.loss_mask) == len(t.completion_token_ids) == len(t.generator_logprobs)
+            and t.advantage == 0.5
+        )
 
 
 def test_bad_requests_get_their_status_and_leave_the_gateway_serving(stack):
@@ -238,7 +256,9 @@ def test_bad_requests_get_their_status_and_leave_the_gateway_serving(stack):
     ok = json.dumps({"model": opened.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
 
     def post(body: bytes, key: str = opened.session_key) -> int:
-        req = urllib.request.Request(url, body, {"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        req = urllib.request.Request(
+            url, body, {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=120) as r:
                 return r.status
@@ -248,16 +268,24 @@ def test_bad_requests_get_their_status_and_leave_the_gateway_serving(stack):
     other = _open(stack, "bad/1")
     _close(stack, other.session_key)
     assert post(b"{not json") == 400
-    assert post(json.dumps({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}).encode()) == 404
+    assert (
+        post(json.dumps({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}).encode()) == 404
+    )
     assert post(ok.encode(), key=other.session_key) == 401  # a closed session's key
     assert post(ok.encode(), key="rrl-nobody") == 401
     assert post(b'{"model": "x", "pad": "' + b"a" * (10 << 20) + b'"}') == 413
     # A streaming client that hangs up mid-answer.
     host, port = opened.base_url.split("//")[1].split("/")[0].rsplit(":", 1)
-    stream = json.dumps({"model": opened.model, "messages": [{"role": "user", "content": "hi"}], "stream": True})
+    stream = json.dumps(
+        {"model": opened.model, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    )
     with socket.create_connection((host, int(port)), timeout=30) as s:
-        head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {opened.session_key}\r\n"
-        s.sendall(f"{head}Content-Type: application/json\r\nContent-Length: {len(stream)}\r\n\r\n{stream}".encode())
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {opened.session_key}\r\n"
+        )
+        s.sendall(
+            f"{head}Content-Type: application/json\r\nContent-Length: {len(stream)}\r\n\r\n{stream}".encode()
+        )
         s.recv(1)
     assert post(ok.encode()) == 200  # still serving
     assert stack.proc.alive()

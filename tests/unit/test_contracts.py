@@ -21,7 +21,7 @@ from relayrl.reward.v1 import reward_pb2, reward_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 GEN_SCRIPT = ROOT / "scripts" / "gen_protos.py"
-SERVICES = ("common", "generator", "learner", "reward", "coordinator", "env")
+SERVICES = ("common", "generator", "learner", "reward", "coordinator", "env", "gateway")
 HEAVY = {"torch", "vllm", "deepspeed", "transformers"}
 
 

@@ -629,7 +629,7 @@ def _metric_samples() -> set[str]:
     from prometheus_client.metrics import MetricWrapperBase
 
     names = set()
-    for svc in ("generator", "learner", "reward", "coordinator", "env"):
+    for svc in ("generator", "learner", "reward", "coordinator", "env", "gateway"):
         mod = importlib.import_module(f"relayrl.{svc}.metrics")
         for m in vars(mod).values():
             if isinstance(m, MetricWrapperBase):

@@ -62,7 +62,7 @@ async def open_session(
 def close_soon(gateways: GatewayPool, opened: Opened, tag: str) -> None:
     """End the session without waiting (the episode failed): its key stops working now."""
     if opened.replica.healthy:
-        closing = asyncio.ensure_future(gateways.close(opened.replica, opened.key, tag))
+        closing = asyncio.ensure_future(gateways.close_session(opened.replica, opened.key, tag))
         closing.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 

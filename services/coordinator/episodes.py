@@ -312,7 +312,7 @@ class MultiTurn:
                 ep = await self._turns(rep, reset, pid, i, evaluation, tag, min_version)
             else:  # one Step: the agent runs to its end; then its tokens, as the gateway recorded them
                 await self.envs.step(rep, ev.StepRequest(request_id=tag, session_id=reset.session_id))
-                closed = await self.gateways.close(opened.replica, opened.key, tag)
+                closed = await self.gateways.close_session(opened.replica, opened.key, tag)
                 opened = None
                 ep = episode_of(closed, pid, i)
             close = await self.envs.close_session(

@@ -54,7 +54,7 @@ class GatewayPool(Rotation):
                 reps = [r for r in reps if r is not rep]
         raise EpisodeLost(f"every gateway replica is full (max_sessions): {why}")
 
-    async def close(self, rep: Replica, key: str, request_id: str) -> gw.CloseSessionResponse:
+    async def close_session(self, rep: Replica, key: str, request_id: str) -> gw.CloseSessionResponse:
         return await self._call(
             rep, "CloseSession", gw.CloseSessionRequest(request_id=request_id, session_key=key)
         )

@@ -43,7 +43,7 @@ class Gateways:
         key = f"key-{len(self.opened)}"
         return REP, gw.OpenSessionResponse(session_key=key, base_url="http://127.0.0.1:1/v1", model="m")
 
-    async def close(self, rep, key, request_id):
+    async def close_session(self, rep, key, request_id):
         self.closed.append(key)
         return self.answer(key)
 

@@ -45,6 +45,7 @@ async def open_session(
     max_episode_tokens: int,
     min_version: int,
     tag: str,
+    agent_reward: bool = False,
 ) -> Opened:
     rep, resp = await gateways.open(
         gw.OpenSessionRequest(
@@ -53,6 +54,7 @@ async def open_session(
             sampling=sampling,
             max_episode_tokens=max_episode_tokens,
             min_version=min_version,
+            agent_reward=agent_reward,
         )
     )
     endpoint = ev.GatewayEndpoint(base_url=resp.base_url, api_key=resp.session_key, model=resp.model)

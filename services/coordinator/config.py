@@ -166,6 +166,12 @@ class EpisodesSection(StrictModel):
     earlier reasoning); each call is a learner sample of its own (a segment) carrying its
     episode's advantage. Token-exact per segment either way. Stepwise costs O(turns^2) tokens and
     takes group advantages only (grpo, drgrpo, rloo)."""
+    agent_reward: bool = False
+    """Black-box episodes: the agent may set its episode's reward itself (``POST /rl/set_reward``
+    on the gateway), which then replaces the env's. Only for agents whose scoring the model
+    cannot reach: an agent that runs the model's commands holds the session's key, so the model
+    could write its own reward. False: the HTTP call gets 403 (the gRPC SetReward, for a harness
+    outside the agent, still works)."""
     allow_template_drift: bool = False
     """With ``turns: exact``, train even when the chat template is not prefix-preserving (the
     generator's CheckChat: rendering the whole dialogue gives other tokens than the turn-by-turn

@@ -117,18 +117,26 @@ def _role(section: LearnerConfig | None, role: str, exp: ExperimentConfig) -> Le
 
 def _resolve_security_paths(exp: ExperimentConfig, rel) -> None:
     """Certificate, key and token paths against the experiment's folder, like the other paths;
-    the learner calls the generators as the coordinator does unless its section says otherwise."""
+    the learner and the gateway call the generators as the coordinator does unless their sections
+    say otherwise."""
     roles = [r for r in (exp.critic, exp.reference) if r is not None]
-    for section in (exp.services.security, exp.learner.security, *(r.security for r in roles)):
+    clients = (exp.services.security, exp.learner.security, exp.gateway.client, *(r.security for r in roles))
+    for section in clients:
         for name in ("ca", "cert", "key", "token_file"):
             if getattr(section, name):
                 setattr(section, name, rel(getattr(section, name)))
-    for serve in (exp.generator.serve, exp.learner.serve, exp.reward.serve, *(r.serve for r in roles)):
+    serves = (exp.generator.serve, exp.learner.serve, exp.reward.serve, exp.env.serve, exp.gateway.serve)
+    for serve in (*serves, *(r.serve for r in roles)):
         for name in ("tls_cert", "tls_key", "tls_client_ca", "token_file"):
             if getattr(serve, name):
                 setattr(serve, name, rel(getattr(serve, name)))
+    for name in ("tls_cert", "tls_key"):
+        if getattr(exp.gateway.http, name):
+            setattr(exp.gateway.http, name, rel(getattr(exp.gateway.http, name)))
     if exp.learner.security == ClientSecurity():
         exp.learner.security = exp.services.security.model_copy()
+    if exp.gateway.client == ClientSecurity():
+        exp.gateway.client = exp.services.security.model_copy()
 
 
 def load_experiment(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:

@@ -288,6 +288,7 @@ class MultiTurn:
                 self.ep.max_episode_tokens,
                 min_version,
                 tag,
+                agent_reward=self.ep.agent_reward,
             )
         try:
             rep, reset = await self.envs.reset(
@@ -307,6 +308,7 @@ class MultiTurn:
             if opened is not None:
                 close_soon(self.gateways, opened, tag)
             raise
+        silent = ""
         try:
             if opened is None:
                 ep = await self._turns(rep, reset, pid, i, evaluation, tag, min_version)
@@ -314,12 +316,13 @@ class MultiTurn:
                 await self.envs.step(rep, ev.StepRequest(request_id=tag, session_id=reset.session_id))
                 closed = await self.gateways.close_session(opened.replica, opened.key, tag)
                 opened = None
-                ep = episode_of(closed, pid, i)
+                try:
+                    ep = episode_of(closed, pid, i)
+                except AgentSilent as e:  # nothing to train; the env's verdict still decides below
+                    silent, ep = str(e), None
             close = await self.envs.close_session(
                 rep, ev.CloseRequest(request_id=tag, session_id=reset.session_id)
             )
-        except AgentSilent as e:
-            return self._masked(pid, i, "agent_silent", str(e), attempt, min_version)
         except BaseException:
             if opened is not None:
                 close_soon(self.gateways, opened, tag)
@@ -333,6 +336,8 @@ class MultiTurn:
             raise
         if close.outcome == ev.OUTCOME_REDO:
             raise EpisodeLost(f"env said REDO: {close.failure_kind}: {close.failure_reason[:300]}")
+        if ep is None:
+            return self._masked(pid, i, "agent_silent", silent, attempt, min_version)
         if close.outcome == ev.OUTCOME_MASK:
             return self._masked(
                 pid, i, close.failure_kind or "masked", close.failure_reason, attempt, like=ep

@@ -113,9 +113,10 @@ class LocalServices:
         self.rewards = {p.name: p.wait_ready(timeout) for p in rewards}
         self.envs = {p.name: p.wait_ready(timeout) for p in envs}
         # The gateways sample on this run's generators: started once their addresses are known.
-        section = c.gateway.model_copy(update={"generators": list(self.generators.values())})
+        self._gateway_section = c.gateway.model_copy(update={"generators": list(self.generators.values())})
         gateways = [
-            self._start(f"gateway-{i}", "gateway", section, []) for i in range(c.services.gateway_replicas)
+            self._start(f"gateway-{i}", "gateway", self._gateway_section, [])
+            for i in range(c.services.gateway_replicas)
         ]
         self.gateways = {p.name: p.wait_ready(timeout) for p in gateways}
         if c.services.restarts:
@@ -123,13 +124,16 @@ class LocalServices:
             self._supervisor.start()
 
     def _supervise(self, every_s: float = 1.0) -> None:
-        """Start a generator, reward or env replica that exited again, at its address (its port):
-        the coordinator's rotation probes it and takes it back, a generator after a push of the
-        current weights. At most ``services.restarts`` times each."""
+        """Start a generator, reward, env or gateway replica that exited again, at its address
+        (its port): the coordinator's rotation probes it and takes it back, a generator after a
+        push of the current weights. At most ``services.restarts`` times each. (A gateway comes
+        back empty: the episodes whose sessions it held are lost and redone.)"""
         while not self._stopping.wait(every_s):
             with self._lock:
                 dead = [
-                    p for p in self.procs if not p.alive() and p.name.startswith(("gen-", "reward-", "env-"))
+                    p
+                    for p in self.procs
+                    if not p.alive() and p.name.startswith(("gen-", "reward-", "env-", "gateway-"))
                 ]
             for old in dead:
                 n = self.restarted.get(old.name, 0) + 1
@@ -147,7 +151,7 @@ class LocalServices:
                     self.restarting.discard(old.name)
 
     def _restart(self, old: ServiceProcess, n: int) -> None:
-        address = self.generators.get(old.name) or self.rewards.get(old.name) or self.envs[old.name]
+        address = {**self.generators, **self.rewards, **self.envs, **self.gateways}[old.name]
         logger.warning(
             "%s exited (code %s); starting it again at %s (restart %d of %d)",
             old.name,
@@ -169,7 +173,9 @@ class LocalServices:
         proc = self._start(
             old.name,
             service,
-            {"generator": c.generator, "reward": c.reward, "env": c.env}[service],
+            {"generator": c.generator, "reward": c.reward, "env": c.env, "gateway": self._gateway_section}[
+                service
+            ],
             extra,
             dev[i] if gen and i < len(dev) else "",
             restart=n,

@@ -22,6 +22,8 @@ class ChatRequest:
     """The agent's ``max_tokens`` / ``max_completion_tokens``: it can only lower the session's."""
     model: str = ""
     stream: bool = False
+    tool_choice: str = "auto"
+    """"auto" (the model may call the tools), or "none": its answer is text, calls not read out."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,10 @@ class ContextFull(BadRequest):
 
 class Unauthorized(GatewayError):
     status, code, kind = 401, "invalid_api_key", "authentication_error"
+
+
+class Forbidden(GatewayError):
+    status, code, kind = 403, "permission_denied", "permission_error"
 
 
 class NotFound(GatewayError):
@@ -117,5 +123,6 @@ class Sessions(Protocol):
         """Sample the model's next turn of ``request`` in session ``key``. Raises a
         ``GatewayError`` (Unauthorized, BadRequest, ContextFull, Busy, Unavailable, ...)."""
 
-    def set_reward(self, key: str, reward: RewardSet) -> None:
-        """Record the session's reward (``POST /rl/set_reward``). Unauthorized, BadRequest."""
+    def set_reward(self, key: str, reward: RewardSet, *, by_agent: bool = False) -> None:
+        """Record the session's reward (``POST /rl/set_reward``: ``by_agent``). Unauthorized,
+        BadRequest; Forbidden when the agent sets it and its session does not allow that."""

@@ -30,6 +30,9 @@ class HttpConfig(StrictModel):
     each request: room for long dialogues, not for anything a person would call an upload."""
     request_timeout_seconds: float = Field(600.0, gt=0, le=86400)
     """Longest a chat request may take, queueing for a generator included; past it, 504."""
+    body_timeout_seconds: float = Field(30.0, gt=0, le=3600)
+    """Longest a request body may take to arrive; past it, 408 (a client that trickles its body
+    holds no handler)."""
 
     @model_validator(mode="after")
     def _tls(self) -> HttpConfig:
@@ -63,6 +66,9 @@ class GatewayConfig(StrictModel):
     max_in_flight: int = Field(256, ge=1, le=100_000)
     """Most chat requests being sampled at once; more get 429 with Retry-After (the generators'
     own admission, ``max_pending_requests``, answers the same way)."""
+    max_in_flight_per_session: int = Field(16, ge=1, le=100_000)
+    """Most chat requests of one session being sampled at once (an agent's parallel calls);
+    more get 429, so one agent cannot take every slot of ``max_in_flight``."""
     retry_after_seconds: float = Field(1.0, gt=0, le=3600)
     """What a 429 tells the agent to wait."""
     session_ttl_seconds: float = Field(1800.0, gt=0, le=86400)

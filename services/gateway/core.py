@@ -12,7 +12,16 @@ import secrets
 import time
 from collections import OrderedDict
 
-from relayrl.gateway.api import Answer, BadRequest, Busy, ChatRequest, GatewayError, RewardSet, Unauthorized
+from relayrl.gateway.api import (
+    Answer,
+    BadRequest,
+    Busy,
+    ChatRequest,
+    Forbidden,
+    GatewayError,
+    RewardSet,
+    Unauthorized,
+)
 from relayrl.gateway.config import GatewayConfig
 from relayrl.gateway.sessions import Session
 from relayrl.gateway.upstream import Generators
@@ -66,6 +75,7 @@ class GatewayCore:
             ),
             min_version=req.min_version,
             ttl_seconds=req.ttl_seconds or self.config.session_ttl_seconds,
+            agent_reward=req.agent_reward,
         )
         self._gauge()
         return gw.OpenSessionResponse(session_key=key, base_url=self.base_url, model=self.model)
@@ -78,15 +88,19 @@ class GatewayCore:
             raise UnknownSession("no open session has this key (never opened, or expired)")
         out = session.close()
         self.closed[key] = (time.monotonic(), out)
+        while len(self.closed) > self.config.max_sessions:  # bounded, whatever the keep time
+            self.closed.popitem(last=False)
         if self.metrics is not None:
             self.metrics.closed(out)
         self._gauge()
         return out
 
     def sweep(self) -> None:
-        """Drop sessions past their TTL and closed answers past ``closed_keep_seconds``."""
+        """Drop sessions past their TTL (none with a request being sampled) and closed answers
+        past ``closed_keep_seconds``."""
         now = time.monotonic()
-        for key in [k for k, s in self.sessions.items() if now - s.touched > s.ttl_seconds]:
+        idle = [k for k, s in self.sessions.items() if not s.in_flight and now - s.touched > s.ttl_seconds]
+        for key in idle:
             logger.warning("session %s expired (no request for its TTL)", self.sessions[key].episode_id)
             del self.sessions[key]
         while self.closed and now - next(iter(self.closed.values()))[0] > self.config.closed_keep_seconds:
@@ -118,11 +132,20 @@ class GatewayCore:
                 f"{self.in_flight} requests are being sampled (gateway max_in_flight)",
                 self.config.retry_after_seconds,
             )
+        if session.in_flight >= self.config.max_in_flight_per_session:
+            raise Busy(
+                f"this session has {session.in_flight} requests being sampled "
+                "(gateway max_in_flight_per_session)",
+                self.config.retry_after_seconds,
+            )
         plan = session.plan(request)
         sampling = g.SamplingParams()
         sampling.CopyFrom(session.sampling)
         sampling.max_tokens = plan.max_tokens
+        if request.tool_choice == "none":  # the agent wants text: calls are not read out of it
+            sampling.tool_format = ""
         self.in_flight += 1
+        session.in_flight += 1
         t0 = time.monotonic()
         try:
             sample = await self.generators.generate(
@@ -135,6 +158,8 @@ class GatewayCore:
             raise
         finally:
             self.in_flight -= 1
+            session.in_flight -= 1
+            session.touched = time.monotonic()  # its TTL counts from the answer, not the request
         if self.metrics is not None:
             self.metrics.call(time.monotonic() - t0, len(sample.completion_token_ids))
         if self.sessions.get(key) is not session:  # closed while it was sampled: nothing to record
@@ -149,10 +174,15 @@ class GatewayCore:
             created=int(time.time()),
         )
 
-    def set_reward(self, key: str, reward: RewardSet) -> None:
+    def set_reward(self, key: str, reward: RewardSet, *, by_agent: bool = False) -> None:
         session = self.sessions.get(key)
         if session is None:
             raise Unauthorized("this session is closed" if key in self.closed else "unknown API key")
+        if by_agent and not session.agent_reward:
+            raise Forbidden(
+                "this session's reward is not the agent's to set (the coordinator opens sessions "
+                "with agent_reward only where the model cannot reach the reward call)"
+            )
         check_reward(reward)
         session.reward = (float(reward.reward), dict(reward.components))
 

@@ -1,7 +1,8 @@
 """The gateway's HTTP server (aiohttp): OpenAI's ``/v1/chat/completions`` and ``/v1/models`` for
 black-box agents, and ``/rl/set_reward``, in front of the sessions (``api.Sessions``).
 
-A request flows: Bearer key (401) -> body bounded to ``max_body_bytes`` (413) -> JSON (400) ->
+A request flows: Bearer key (401) -> body bounded to ``max_body_bytes`` (413) and read within
+``body_timeout_s`` (408) -> JSON (400) ->
 ``openai_api.parse_chat_request`` (400) -> model name (404) -> ``sessions.complete`` under
 ``request_timeout_s`` (504) -> a JSON completion, or with ``stream`` an SSE framing of the whole
 answer. Every refusal is an OpenAI error body with the ``GatewayError``'s status (429 with
@@ -51,6 +52,10 @@ class MethodNotAllowed(GatewayError):
     status, code, kind = 405, "method_not_allowed", "invalid_request_error"
 
 
+class SlowBody(GatewayError):
+    status, code, kind = 408, "request_timeout", "invalid_request_error"
+
+
 class _EventStream(web.StreamResponse):
     """An SSE answer; ``client_left`` once writing to the client failed."""
 
@@ -64,7 +69,7 @@ def _bearer_key(request: web.Request) -> str:
     return key.strip()
 
 
-async def _json_body(request: web.Request) -> object:
+async def _json_body(request: web.Request, timeout_s: float) -> object:
     limit = request.client_max_size
     # Refuse a declared oversize body before reading any of it; a chunked one is cut by read().
     # aiohttp then reads and drops the rest (for up to 10 s) before it closes, so a client that
@@ -72,9 +77,12 @@ async def _json_body(request: web.Request) -> object:
     if request.content_length is not None and request.content_length > limit:
         raise TooLarge(f"request body is larger than {limit} bytes")
     try:
-        raw = await request.read()
+        async with asyncio.timeout(timeout_s):  # a client that trickles its body holds no handler
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise TooLarge(f"request body is larger than {limit} bytes") from None
+    except TimeoutError:
+        raise SlowBody(f"the request body did not arrive within {timeout_s:g} s") from None
     try:
         return json.loads(raw)
     except (ValueError, RecursionError):  # RecursionError: deeply nested arrays
@@ -151,14 +159,15 @@ def _middleware(metrics: HttpMetrics | None):
 
 
 class _Routes:
-    def __init__(self, sessions: Sessions, request_timeout_s: float):
+    def __init__(self, sessions: Sessions, request_timeout_s: float, body_timeout_s: float):
         self.sessions = sessions
         self.request_timeout_s = request_timeout_s
+        self.body_timeout_s = body_timeout_s
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         key = _bearer_key(request)
         self.sessions.check_key(key)
-        body = await _json_body(request)
+        body = await _json_body(request, self.body_timeout_s)
         req = openai_api.parse_chat_request(body)
         if req.model != self.sessions.model:
             raise NotFound(
@@ -186,8 +195,8 @@ class _Routes:
     async def set_reward(self, request: web.Request) -> web.Response:
         key = _bearer_key(request)
         self.sessions.check_key(key)
-        reward = openai_api.parse_reward_set(await _json_body(request))
-        self.sessions.set_reward(key, reward)
+        reward = openai_api.parse_reward_set(await _json_body(request, self.body_timeout_s))
+        self.sessions.set_reward(key, reward, by_agent=True)
         return web.json_response({"ok": True})
 
 
@@ -210,11 +219,14 @@ def make_app(
     *,
     max_body_bytes: int,
     request_timeout_s: float,
+    body_timeout_s: float = 30.0,
     metrics: HttpMetrics | None = None,
 ) -> web.Application:
-    """The gateway's aiohttp application over ``sessions``; ``metrics`` counts each request."""
+    """The gateway's aiohttp application over ``sessions``; ``metrics`` counts each request.
+    A body must arrive within ``body_timeout_s`` (408), an answer within ``request_timeout_s``
+    (504)."""
     app = web.Application(client_max_size=max_body_bytes, middlewares=[_middleware(metrics)])
-    routes = _Routes(sessions, request_timeout_s)
+    routes = _Routes(sessions, request_timeout_s, body_timeout_s)
     app.router.add_post("/v1/chat/completions", routes.chat_completions)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_post("/rl/set_reward", routes.set_reward)

@@ -168,8 +168,8 @@ def parse_chat_request(body: object) -> ChatRequest:
     """A decoded ``POST /v1/chat/completions`` body, checked, as a ``ChatRequest``.
 
     Roles: "developer" is read as "system". ``n`` may only be 1; ``tool_choice`` may be "auto" or
-    "none" ("none" is not enforced: the answer may still hold calls). Streaming flags are read
-    by ``include_usage``.
+    "none" (the tools stay in the prompt, as the chat template renders them, but no call is read
+    out of the answer: it is all text). Streaming flags are read by ``include_usage``.
 
     >>> req = parse_chat_request({"model": "m", "temperature": 2, "messages": [
     ...     {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
@@ -205,6 +205,7 @@ def parse_chat_request(body: object) -> ChatRequest:
         max_tokens=_max_tokens(body),
         model=model,
         stream=bool(stream),
+        tool_choice=body.get("tool_choice") or "auto",
     )
 
 

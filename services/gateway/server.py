@@ -51,6 +51,7 @@ async def build(config: GatewayConfig) -> tuple[ServerHandle, GatewayCore]:
         core,
         max_body_bytes=int(config.http.max_body_mb * (1 << 20)),
         request_timeout_s=config.http.request_timeout_seconds,
+        body_timeout_s=config.http.body_timeout_seconds,
         metrics=metrics,
     )
     runner, port = await serve_http(app, config.http.host, config.http.port, tls=tls_context(config))

@@ -137,7 +137,11 @@ class Session:
     max_calls: int
     min_version: int
     ttl_seconds: float
+    agent_reward: bool = False
+    """The agent may set the reward over HTTP (OpenSessionRequest.agent_reward)."""
     touched: float = field(default_factory=time.monotonic)
+    in_flight: int = 0
+    """Requests of this session being sampled now (a session is never swept while one is)."""
     calls: list[Call] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     planned: int = 0

@@ -3,7 +3,9 @@ replica while it serves (rendezvous on the episode id, where the earlier turns' 
 prefix cache) and on the next one otherwise. Generator status codes become the gateway's errors:
 a bad request stays one, a full replica is a 429 for the agent, a context with no room left is
 ``context_length_exceeded``; a replica that is down, or that answers with weights older than the
-session's ``min_version`` (it restarted), is skipped."""
+session's ``min_version`` (it restarted and waits for the current weights), is skipped. When no
+replica answers and one of them was only stale, the agent gets 429 with Retry-After (the
+staleness bound holds admission: the weights are on their way), else 503."""
 
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ class Generators:
         """The one sample of ``prompt``. Raises BadRequest, ContextFull, Busy or Unavailable."""
         if not self.addresses:
             raise Unavailable("the gateway has no generators configured (gateway.generators)")
-        why = []
+        why, stale = [], False
         for address in ranked(affinity, self.addresses):
             try:
                 s = await self._call(address, prompt, sampling, rid)
@@ -70,11 +72,16 @@ class Generators:
                 continue
             if version_of(s) < min_version:  # restarted with older weights: not this session's policy
                 why.append(f"{address}: sampled with policy version {version_of(s)}, not {min_version}")
+                stale = True
                 continue
             if s.finish_reason == common_pb2.FINISH_REASON_ABORT:
                 why.append(f"{address}: the generator aborted the request")
                 continue
             return s
+        if stale:  # the staleness bound: a replica is up but waits for its weights; try again soon
+            raise Busy(
+                "no generator holds this session's policy yet: " + "; ".join(why)[:800], self.retry_after_s
+            )
         raise Unavailable("no generator answered: " + "; ".join(why)[:800])
 
     async def _call(

@@ -51,10 +51,14 @@ class Gateways:
 class BlackBoxEnv:
     """An env pool running a harness env: one Step runs the agent; Close gives reward 0.25."""
 
-    def __init__(self, lose_steps=0):
+    def __init__(self, lose_steps=0, close=None):
         self.lose_steps = lose_steps
         self.resets: list[ev.ResetRequest] = []
         self.steps = 0
+        self.closed: list[str] = []
+        self.close = close or ev.CloseResponse(
+            reward=0.25, outcome=ev.OUTCOME_OK, components={"correctness": 0.25}
+        )
 
     async def env_info(self, name):
         return ev.EnvInfo(name=name, tools_json=TOOLS, expects_tools=True, max_turns=4, black_box=True)
@@ -73,7 +77,8 @@ class BlackBoxEnv:
         return ev.StepResponse(done=True)
 
     async def close_session(self, rep, req):
-        return ev.CloseResponse(reward=0.25, outcome=ev.OUTCOME_OK, components={"correctness": 0.25})
+        self.closed.append(req.session_id)
+        return self.close
 
 
 def _run(source):
@@ -134,10 +139,30 @@ def test_a_harness_reward_wins_and_a_broken_history_trains_per_segment():
 
 
 def test_an_agent_that_never_called_the_model_is_masked_not_scored_zero():
-    ro = _run(MultiTurn(_cfg(), Gen(), BlackBoxEnv(), None, Gateways(lambda key: gw.CloseSessionResponse())))
+    env = BlackBoxEnv()
+    ro = _run(MultiTurn(_cfg(), Gen(), env, None, Gateways(lambda key: gw.CloseSessionResponse())))
     ((_, _, results),) = ro.groups
     assert all(r.status == rw.SCORE_STATUS_ERROR and "agent_silent" in r.error for r in results)
     assert ro.stats["env_masked"] == 2
+    assert sorted(env.closed) == ["s1", "s2"]  # the env sessions are freed, not left to their lease
+
+
+def test_a_silent_agent_whose_env_said_redo_is_run_again():
+    # The env knows why the agent was silent (its sandbox failed): infrastructure, so a redo.
+    redo = ev.CloseResponse(outcome=ev.OUTCOME_REDO, failure_kind="sandbox_unavailable")
+    env = BlackBoxEnv(close=redo)
+    ro = _run(MultiTurn(_cfg(n=1), Gen(), env, None, Gateways(lambda key: gw.CloseSessionResponse())))
+    assert ro.stats["env_redo"] == 3 and len(env.resets) == 3  # max_attempts 3, then masked
+    assert "episode_lost" in ro.groups[0][2][0].error
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+def test_the_agents_own_reward_is_allowed_only_where_the_experiment_says(allowed):
+    cfg = _cfg(n=1)
+    cfg.episodes.agent_reward = allowed
+    gws = Gateways(lambda key: gw.CloseSessionResponse(segments=[segment([1], [10, STOP], [1, 1])], calls=1))
+    _run(MultiTurn(cfg, Gen(), BlackBoxEnv(), None, gws))
+    assert [r.agent_reward for r in gws.opened] == [allowed]
 
 
 def test_a_lost_episode_closes_its_gateway_session_and_is_redone_with_a_new_one():

@@ -105,8 +105,9 @@ class FakeSessions:
             raise err
         return self.answer
 
-    def set_reward(self, key: str, reward: RewardSet) -> None:
+    def set_reward(self, key: str, reward: RewardSet, *, by_agent: bool = False) -> None:
         self.check_key(key)
+        assert by_agent  # over HTTP it is always the agent (the session decides whether it may)
         self.rewards.append(reward)
 
 
@@ -130,9 +131,17 @@ class Recorder:
 
 
 @contextlib.asynccontextmanager
-async def serving(request_timeout_s: float = 5.0, metrics=None, unix_path: str | None = None):
+async def serving(
+    request_timeout_s: float = 5.0, metrics=None, unix_path: str | None = None, body_timeout_s: float = 5.0
+):
     sessions, metrics = FakeSessions(), metrics or Recorder()
-    app = make_app(sessions, max_body_bytes=MAX_BODY, request_timeout_s=request_timeout_s, metrics=metrics)
+    app = make_app(
+        sessions,
+        max_body_bytes=MAX_BODY,
+        request_timeout_s=request_timeout_s,
+        body_timeout_s=body_timeout_s,
+        metrics=metrics,
+    )
     runner, port = await serve_http(app, "127.0.0.1", 0, unix_path=unix_path)
     try:
         async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as http:
@@ -462,6 +471,21 @@ async def test_a_client_that_leaves_while_the_model_answers_leaves_the_server_se
     await writer.wait_closed()
     gw.sessions.gate.set()  # the turn ends after its client is gone
     assert await gw.metrics.next_for(CHAT) == 200
+
+
+async def test_a_body_that_never_arrives_is_408_within_the_body_timeout():
+    async with serving(body_timeout_s=0.2) as s:
+        reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+        writer.write(
+            f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            'Content-Length: 1000\r\n\r\n{"model": '.encode()
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n"), 5)  # answered, not held open
+        assert head.startswith(b"HTTP/1.1 408"), head
+        assert await s.metrics.next_for(CHAT) == 408
+        writer.close()
+        await writer.wait_closed()
 
 
 async def test_a_client_that_leaves_mid_body_leaves_the_server_serving(gw):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from relayrl.common.config import ConfigError
@@ -160,3 +161,52 @@ def test_the_ray_example_validates_and_plans():
     learner, rollout = plan(load_experiment(example), gpus=True, run_id="r")
     assert learner.bundles == [{"CPU": 8.0, "GPU": 1.0}] * 8 and rollout.strategy == "SPREAD"
     assert rollout.roles == ["gen-0", "gen-1", "gen-2", "gen-3", "reward-0", "reward-1"]
+
+
+BLACK_BOX = {
+    "episodes": {"env": "calc-harness"},
+    "services": {"env_replicas": 1, "gateway_replicas": 2},
+    "ray": {"env_cpus": 2, "gateway_cpus": 0.5},
+}
+
+
+def test_env_and_gateway_replicas_get_bundles_in_the_rollout_group():
+    _, rollout = plan(_cfg(**BLACK_BOX), gpus=False, run_id="r")
+    assert rollout.roles == ["gen-0", "reward-0", "env-0", "gateway-0", "gateway-1"]
+    assert rollout.bundles[2:] == [{"CPU": 2.0}, {"CPU": 0.5}, {"CPU": 0.5}]
+
+
+def _gateways_started(cfg: ExperimentConfig, ip: str, tmp_path) -> tuple[object, dict]:
+    """``RayServices._start_gateways`` with the Ray calls stood in: what each gateway is given."""
+    from relayrl.coordinator.ray.launch import RayServices
+
+    class Host:  # an actor handle: free_port.remote() gives a reference for _get
+        free_port = SimpleNamespace(remote=lambda: None)
+
+    svc = RayServices(cfg, tmp_path)
+    svc.generators = {"gen-0": "192.0.2.5:4000"}  # documentation addresses: nothing is dialled
+    svc.hosts = {f"gateway-{i}": Host() for i in range(2)}
+    launched = {}
+    svc._get = lambda name, ref, timeout=None: 8000 + int(name[-1])  # free_port on its node
+    svc._launch = lambda name, where, section, args: launched.setdefault(name, (section, args))
+    svc._addresses = lambda names, where, deadline: {n: f"{ip}:5005{n[-1]}" for n in names}
+    svc.record["services"] = {n: {} for n in svc.hosts}
+    svc._start_gateways({n: {"ip": ip} for n in svc.hosts}, deadline=0)
+    return svc, launched
+
+
+def test_gateways_on_ray_sample_on_the_runs_generators_and_announce_their_node(tmp_path):
+    cfg = _cfg(**BLACK_BOX, gateway={"http": {"insecure": True}, "max_sessions": 9})
+    svc, launched = _gateways_started(cfg, "192.0.2.7", tmp_path)
+    section, args = launched["gateway-1"]
+    assert args == ["gateway"] and section.generators == ["192.0.2.5:4000"] and section.max_sessions == 9
+    assert (section.http.host, section.http.port) == ("192.0.2.7", 8001)
+    assert section.http.public_url == "http://192.0.2.7:8001/v1" and section.serve.host == "192.0.2.7"
+    assert svc.gateways == {"gateway-0": "192.0.2.7:50050", "gateway-1": "192.0.2.7:50051"}
+
+
+def test_a_gateway_off_loopback_without_tls_is_refused_naming_the_field(tmp_path):
+    with pytest.raises(ConfigError, match="gateway.http"):
+        _gateways_started(_cfg(**BLACK_BOX), "192.0.2.7", tmp_path)
+    _, launched = _gateways_started(_cfg(**BLACK_BOX), "127.0.0.1", tmp_path)  # a private instance
+    assert launched["gateway-0"][0].http.public_url == "http://127.0.0.1:8000/v1"

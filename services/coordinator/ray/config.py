@@ -41,9 +41,11 @@ class RaySection(StrictModel):
     """CPUs in each reward replica's bundle; None: ``reward.workers`` (its scoring processes)."""
     env_cpus: float = Field(1.0, gt=0, le=1024)
     """CPUs in each env service replica's bundle (runs with an ``episodes`` section)."""
+    gateway_cpus: float = Field(1.0, gt=0, le=1024)
+    """CPUs in each gateway replica's bundle (``services.gateway_replicas``, black-box episodes)."""
     rollout_strategy: PlacementStrategy = "PACK"
-    """Placement of the generator and reward bundles (a placement group of their own); SPREAD puts
-    replicas on different nodes."""
+    """Placement of the generator, reward, env and gateway bundles (a placement group of their
+    own); SPREAD puts replicas on different nodes."""
     bind: Literal["node", "all"] = "node"
     """Address each service binds: ``node``, the IP Ray knows its node by (what the others dial);
     ``all``, 0.0.0.0 (announced with the node IP). Off loopback a service needs TLS and a token or

@@ -118,7 +118,7 @@ class RayServices:
         self.generators: dict[str, str] = {}
         self.rewards: dict[str, str] = {}
         self.envs: dict[str, str] = {}
-        self.gateways: dict[str, str] = {}  # black-box envs on Ray: not yet (deploy one, services.gateways)
+        self.gateways: dict[str, str] = {}
         self.learner = ""
         self.roles: dict[str, str] = {}
         self.hosts: dict[str, object] = {}  # name -> actor handle
@@ -160,6 +160,7 @@ class RayServices:
         for i in range(c.services.env_replicas if c.episodes is not None else 0):
             self._start_service(f"env-{i}", "env", c.env, where, [])
         self._wait_serving(where, deadline)
+        self._start_gateways(where, deadline)
         self._write_record()
         threading.Thread(target=self._watch, name="ray-learner-watch", daemon=True).start()
 
@@ -279,17 +280,72 @@ class RayServices:
         serve = section.serve.model_copy(update={"host": self._bind(where[name]["ip"]), "port": 0})
         self._launch(name, where[name], section.model_copy(update={"serve": serve}), [service, *args])
 
+    def _start_gateways(self, where: dict, deadline: float) -> None:
+        """The gateways, once the generators they sample on serve. Each serves its OpenAI API on
+        a port of its node, announced to the agents (``http.public_url``) with the node's IP: env
+        replicas on other nodes reach it there. Off loopback that API needs ``gateway.http``'s
+        TLS or ``insecure``, as any service does (the config names the field)."""
+        from pydantic import ValidationError
+        from relayrl.gateway.config import GatewayConfig
+
+        c = self.cfg
+        names = [f"gateway-{i}" for i in range(c.services.gateway_replicas)]
+        for name in names:
+            ip = where[name]["ip"]
+            port = self._get(name, self.hosts[name].free_port.remote())
+            scheme = "https" if c.gateway.http.tls_cert else "http"
+            host = f"[{ip}]" if ":" in ip else ip
+            http = {"host": self._bind(ip), "port": port, "public_url": f"{scheme}://{host}:{port}/v1"}
+            given = c.gateway.model_dump(exclude_unset=True)
+            try:
+                section = GatewayConfig.model_validate(
+                    {
+                        **given,
+                        "generators": list(self.generators.values()),
+                        "replica_id": name,
+                        "serve": {**given.get("serve", {}), "host": self._bind(ip), "port": 0},
+                        "http": {**given.get("http", {}), **http},
+                    }
+                )
+            except ValidationError as e:
+                raise cfg_mod.ConfigError(cfg_mod.format_validation_error(e, within="gateway")) from None
+            self._launch(name, where[name], section, ["gateway"])
+        self.gateways = dict(sorted(self._addresses(names, where, deadline).items()))
+        for name, addr in self.gateways.items():
+            self.record["services"][name]["address"] = addr
+            print(f"ray: {name} serving on {addr}", flush=True)
+
     def _wait_serving(self, where: dict, deadline: float) -> None:
-        """Collect every service's address; fail with a log's tail as soon as any process exits
-        (a learner follower included: rank 0 would wait for it forever)."""
+        """Collect the address of every service but the gateways (started after the generators)."""
+        names = [
+            *self.cfg.role_sections(),
+            *(n for n in self.hosts if n.startswith(("gen-", "reward-", "env-"))),
+        ]
+        addresses = self._addresses(names, where, deadline)
+        self.learner = addresses.pop("learner")
+        self.roles = {r: addresses.pop(r) for r in self.cfg.role_sections() if r != "learner"}
+        self.generators = {n: a for n, a in sorted(addresses.items()) if n.startswith("gen-")}
+        self.rewards = {n: a for n, a in sorted(addresses.items()) if n.startswith("reward-")}
+        self.envs = {n: a for n, a in sorted(addresses.items()) if n.startswith("env-")}
+        for name, addr in [
+            ("learner", self.learner),
+            *self.roles.items(),
+            *self.generators.items(),
+            *self.rewards.items(),
+            *self.envs.items(),
+        ]:
+            self.record["services"][name]["address"] = addr
+            print(f"ray: {name} serving on {addr}", flush=True)
+
+    def _addresses(self, names: list[str], where: dict, deadline: float) -> dict[str, str]:
+        """The address each of ``names`` announces once it serves; fails with a log's tail as
+        soon as any process exits (a learner follower included: rank 0 would wait for it
+        forever)."""
         import ray
 
         pending = {
             name: self.hosts[name].wait.remote(max(1.0, deadline - time.monotonic()), where[name]["ip"])
-            for name in [
-                *self.cfg.role_sections(),
-                *(n for n in self.hosts if n.startswith(("gen-", "reward-", "env-"))),
-            ]
+            for name in names
         }
         addresses: dict[str, str] = {}
         while pending:
@@ -312,20 +368,7 @@ class RayServices:
                 raise RuntimeError(
                     f"not serving within {self.cfg.ray.start_timeout_seconds:.0f}s: {sorted(pending)}"
                 )
-        self.learner = addresses.pop("learner")
-        self.roles = {r: addresses.pop(r) for r in self.cfg.role_sections() if r != "learner"}
-        self.generators = {n: a for n, a in sorted(addresses.items()) if n.startswith("gen-")}
-        self.rewards = {n: a for n, a in sorted(addresses.items()) if n.startswith("reward-")}
-        self.envs = {n: a for n, a in sorted(addresses.items()) if n.startswith("env-")}
-        for name, addr in [
-            ("learner", self.learner),
-            *self.roles.items(),
-            *self.generators.items(),
-            *self.rewards.items(),
-            *self.envs.items(),
-        ]:
-            self.record["services"][name]["address"] = addr
-            print(f"ray: {name} serving on {addr}", flush=True)
+        return addresses
 
     def _get(self, name: str, ref, timeout: float | None = None):
         """``ray.get`` with a deadline (``ray.call_timeout_seconds`` unless given)."""
@@ -456,10 +499,11 @@ class RayServices:
 def launch(cfg: ExperimentConfig, resume_dir: Path | None = None) -> Path:
     """``relayrl launch ray``: returns the run folder; exits non-zero with the reason if the run
     failed. The Ray connection ends with it (a private instance stops)."""
-    if not cfg.services.embedded:
+    if not cfg.services.embedded or cfg.services.gateways:
         raise SystemExit(
             "relayrl launch ray starts the services itself: remove services.generators, "
-            "services.rewards and services.learner from the experiment (or use relayrl run)"
+            "services.rewards, services.learner and services.gateways from the experiment (gateways: "
+            "services.gateway_replicas), or use relayrl run"
         )
     from relayrl.coordinator.run import run
 

@@ -68,6 +68,7 @@ def plan(cfg: ExperimentConfig, gpus: bool, run_id: str) -> list[GroupPlan]:
     n_gen, n_reward = cfg.services.generator_replicas, cfg.services.reward_replicas
     n_env = cfg.services.env_replicas if cfg.episodes is not None else 0
     env = {"CPU": r.env_cpus}
+    n_gw, gateway = cfg.services.gateway_replicas, {"CPU": r.gateway_cpus}
     learners = [
         GroupPlan(
             f"relayrl-{run_id}-{role}",
@@ -84,10 +85,12 @@ def plan(cfg: ExperimentConfig, gpus: bool, run_id: str) -> list[GroupPlan]:
             r.rollout_strategy,
             [dict(gen) for _ in range(n_gen)]
             + [dict(reward) for _ in range(n_reward)]
-            + [dict(env) for _ in range(n_env)],
+            + [dict(env) for _ in range(n_env)]
+            + [dict(gateway) for _ in range(n_gw)],
             [f"gen-{i}" for i in range(n_gen)]
             + [f"reward-{i}" for i in range(n_reward)]
-            + [f"env-{i}" for i in range(n_env)],
+            + [f"env-{i}" for i in range(n_env)]
+            + [f"gateway-{i}" for i in range(n_gw)],
         ),
     ]
 

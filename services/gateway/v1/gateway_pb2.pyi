@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("request_id", "episode_id", "sampling", "max_episode_tokens", "max_calls", "min_version", "ttl_seconds")
+    __slots__ = ("request_id", "episode_id", "sampling", "max_episode_tokens", "max_calls", "min_version", "ttl_seconds", "agent_reward")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class OpenSessionRequest(_message.Message):
     MAX_CALLS_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_REWARD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     episode_id: str
     sampling: _generator_pb2.SamplingParams
@@ -24,7 +25,8 @@ class OpenSessionRequest(_message.Message):
     max_calls: int
     min_version: int
     ttl_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., episode_id: _Optional[str] = ..., sampling: _Optional[_Union[_generator_pb2.SamplingParams, _Mapping]] = ..., max_episode_tokens: _Optional[int] = ..., max_calls: _Optional[int] = ..., min_version: _Optional[int] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+    agent_reward: bool
+    def __init__(self, request_id: _Optional[str] = ..., episode_id: _Optional[str] = ..., sampling: _Optional[_Union[_generator_pb2.SamplingParams, _Mapping]] = ..., max_episode_tokens: _Optional[int] = ..., max_calls: _Optional[int] = ..., min_version: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., agent_reward: _Optional[bool] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_key", "base_url", "model")

@@ -75,8 +75,9 @@ class GatewayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetReward(self, request, context):
-        """Harness -> gateway: set the session's reward (as POST /rl/set_reward does over HTTP).
-        NOT_FOUND for an unknown key; INVALID_ARGUMENT for a reward that is not finite.
+        """Harness -> gateway: set the session's reward (as POST /rl/set_reward does over HTTP, where
+        the session allows it: OpenSessionRequest.agent_reward). NOT_FOUND for an unknown key;
+        INVALID_ARGUMENT for a reward that is not finite.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

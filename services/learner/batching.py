@@ -3,10 +3,14 @@
 ZeRO-3 reduces gradients inside every backward pass, a collective call: all ranks must run the
 same number of micro-batches. ``plan_step`` balances tokens across ranks (longest-first greedy,
 which keeps the heaviest rank within one sample of the mean) and pads every rank to the same
-micro-batch count with empty micro-batches (a zero-weight forward/backward).
+micro-batch count with empty micro-batches (a zero-weight forward/backward). Padded
+micro-batches count padded tokens (samples x longest) against the budget; packed ones
+(``packing.pack``) count real tokens.
 """
 
 from __future__ import annotations
+
+from relayrl.learner.packing import pack
 
 
 def balance(lengths: list[int], world_size: int) -> list[list[int]]:
@@ -46,14 +50,21 @@ def micro_batches(indices: list[int], lengths: list[int], max_tokens: int) -> li
     return out
 
 
-def plan_step(lengths: list[int], world_size: int, max_tokens: int) -> list[list[list[int]]]:
+def plan_step(
+    lengths: list[int], world_size: int, max_tokens: int, packed: bool = False
+) -> list[list[list[int]]]:
     """Per rank, the micro-batches (lists of sample indices), every rank with the same count.
 
     >>> plan_step([3, 3, 3], 2, 6)
     [[[0, 2]], [[1]]]
+    >>> plan_step([6, 1, 1, 4], 1, 8), plan_step([6, 1, 1, 4], 1, 8, packed=True)
+    ([[[0], [3, 1], [2]]], [[[0, 1, 2], [3]]])
     """
     per_rank = []
     for idx in balance(lengths, world_size):
+        if packed:
+            per_rank.append(pack(idx, lengths, max_tokens))
+            continue
         idx = sorted(idx, key=lambda i: -lengths[i])  # similar lengths together: less padding
         per_rank.append(micro_batches(idx, lengths, max_tokens))
     steps = max(1, max(len(m) for m in per_rank))

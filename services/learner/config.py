@@ -118,7 +118,17 @@ class LearnerConfig(StrictModel):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Training dtype; bfloat16 on GPUs, float32 on CPU."""
     micro_batch_tokens: int = Field(4096, ge=16)
-    """Tokens per micro-batch per rank; samples are balanced across ranks by token count."""
+    """Tokens per micro-batch per rank; samples are balanced across ranks by token count. Packed:
+    real tokens; padded: samples x the longest."""
+    score_micro_batch_tokens: int | None = Field(None, ge=16)
+    """Tokens per micro-batch of forward-only scoring (ComputeLogprobs, ComputeValues): nothing
+    is kept for a backward pass, so it can be larger. None: 4 x ``micro_batch_tokens``."""
+    packing: Literal["auto", "on", "off"] = "auto"
+    """How a micro-batch's samples are laid out. Packed: one row of whole samples end to end, each
+    attending only to itself (no padding; ``learner/attention.py``). Padded: one row per sample,
+    padded to the longest. auto: packed where the model's attention allows it (it takes an
+    attention function through transformers' AttentionInterface and has no sliding-window
+    layers), padded otherwise; on: packed, or refuse to start; off: padded."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     logits_chunk_mib: float = Field(512.0, gt=0, le=1 << 20)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 from relayrl.learner.logprobs import completion_hidden, token_logprobs
+from relayrl.learner.packing import Packing
 
 
 class Policy(torch.nn.Module):
@@ -25,19 +26,29 @@ class Policy(torch.nn.Module):
         self.rows_per_chunk = rows_per_chunk
 
     def forward(
-        self, ids, targets, starts: list[int], width: int, temperature: float, calls: int | None = None
+        self,
+        ids,
+        targets,
+        starts: list[int],
+        width: int,
+        temperature: float,
+        calls: int | None = None,
+        packing: Packing | None = None,
     ):
+        head = self.lm.get_output_embeddings()
+        if packing is not None:  # one row of whole samples: the head runs on completion rows only
+            hidden = self.lm.base_model(input_ids=ids, **packing.model_kwargs()).last_hidden_state
+            rows = hidden[0, packing.pred][None]
+            logp, entropy = token_logprobs(
+                head, rows, targets[packing.rows, packing.cols][None], temperature, self.rows_per_chunk, calls
+            )
+            return packing.scatter(logp, width), packing.scatter(entropy, width)
         # No attention mask: rows are right-padded and attention is causal, so no real token
         # attends to a pad (pads only come after it) and the pads' own outputs are masked out of
         # every loss. Without a mask, attention takes its causal fast path (SDPA, flash).
-        hidden = self.lm.base_model(input_ids=ids).last_hidden_state
+        hidden = self.lm.base_model(input_ids=ids, use_cache=False).last_hidden_state
         return token_logprobs(
-            self.lm.get_output_embeddings(),
-            completion_hidden(hidden, starts, width),
-            targets,
-            temperature,
-            self.rows_per_chunk,
-            calls,
+            head, completion_hidden(hidden, starts, width), targets, temperature, self.rows_per_chunk, calls
         )
 
 
@@ -54,6 +65,10 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, ids, starts: list[int], width: int):
-        hidden = self.backbone(input_ids=ids).last_hidden_state
+    def forward(self, ids, starts: list[int], width: int, packing: Packing | None = None):
+        if packing is not None:
+            hidden = self.backbone(input_ids=ids, **packing.model_kwargs()).last_hidden_state
+            values = self.value_head(hidden[0, packing.pred]).squeeze(-1).float()
+            return packing.scatter(values, width)
+        hidden = self.backbone(input_ids=ids, use_cache=False).last_hidden_state
         return self.value_head(completion_hidden(hidden, starts, width)).squeeze(-1).float()

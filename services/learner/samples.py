@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from relayrl.common.rpc import InvalidRequest
 from relayrl.learner.config import LearnerConfig
+from relayrl.learner.packing import Packing, packing
 from relayrl.learner.v1 import learner_pb2
 
 MAX_ABS_VALUE = 1e6
@@ -36,9 +37,10 @@ class Sample:
 
 @dataclass
 class Batch:
-    """A micro-batch as padded tensors on the training device; [B, width] unless stated."""
+    """A micro-batch as tensors on the training device; [B, width] unless stated (the loss's
+    layout: each sample's completion from column 0, padded to the longest)."""
 
-    ids: torch.Tensor  # [B, prompt + completion]
+    ids: torch.Tensor  # [B, prompt + completion] padded, or [1, all tokens] packed
     targets: torch.Tensor
     behavior: torch.Tensor
     mask: torch.Tensor
@@ -47,18 +49,27 @@ class Batch:
     old_values: torch.Tensor
     starts: list[int]
     width: int
+    packing: Packing | None = None
+    """Packed: where each sample sits in the one row of ``ids``; None: padded rows."""
 
 
-def to_batch(batch: list[Sample], device: torch.device) -> Batch:
-    """Samples -> padded tensors on ``device`` (the micro-batch a module runs on)."""
+def to_batch(batch: list[Sample], device: torch.device, packed: bool = False) -> Batch:
+    """Samples -> tensors on ``device`` (the micro-batch a module runs on): the ids as padded
+    rows, or with ``packed`` as one row of every sample end to end."""
     width = max(len(s.completion) for s in batch)
-    total = max(len(s.prompt) + len(s.completion) for s in batch)
-    ids = torch.zeros(len(batch), total, dtype=torch.long)
+    if packed:
+        ids = torch.tensor([[t for s in batch for t in (*s.prompt, *s.completion)]], dtype=torch.long)
+        where = packing([len(s.prompt) for s in batch], [len(s.completion) for s in batch], device)
+    else:
+        total = max(len(s.prompt) + len(s.completion) for s in batch)
+        ids = torch.zeros(len(batch), total, dtype=torch.long)
+        where = None
     targets = torch.zeros(len(batch), width, dtype=torch.long)
     behavior, mask, adv, returns, old_values = torch.zeros(5, len(batch), width, dtype=torch.float32)
     for i, s in enumerate(batch):
-        seq = s.prompt + s.completion
-        ids[i, : len(seq)] = torch.tensor(seq)
+        if not packed:
+            seq = s.prompt + s.completion
+            ids[i, : len(seq)] = torch.tensor(seq)
         n = len(s.completion)
         targets[i, :n] = torch.tensor(s.completion)
         if s.behavior_logprobs:
@@ -79,6 +90,7 @@ def to_batch(batch: list[Sample], device: torch.device) -> Batch:
         old_values.to(device),
         [len(s.prompt) for s in batch],
         width,
+        where,
     )
 
 

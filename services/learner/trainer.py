@@ -26,6 +26,7 @@ import torch.distributed as dist
 from relayrl.common.memory import resident_mb, trim_heap
 from relayrl.common.weightsync.buckets import dtype_name, torch_dtype
 from relayrl.common.weightsync.plan import Bucket, TensorMeta, plan_buckets
+from relayrl.learner.attention import ATTENTION, packable, register
 from relayrl.learner.batching import plan_step
 from relayrl.learner.config import LearnerConfig
 from relayrl.learner.logprobs import chunk_rows, head_calls
@@ -146,6 +147,7 @@ class Trainer:
         else:
             inner = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=self.dtype)
             module = Policy(inner, rows)
+        self.packed = self._packing(inner)
         if cfg.gradient_checkpointing and cfg.role != "reference":
             inner.gradient_checkpointing_enable()
         if cfg.role == "reference":  # frozen: no optimizer, forward only
@@ -169,6 +171,8 @@ class Trainer:
         self.ref = None
         if cfg.loss.kl_coef > 0:  # the actor's in-process reference (config: actors only)
             ref_model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=self.dtype)
+            if self.packed:
+                ref_model.set_attn_implementation(ATTENTION)
             self.ref, *_ = deepspeed.initialize(model=Policy(ref_model, rows), config=conf)
             self.ref.train(False)  # frozen reference: inference mode
         self.step = 0
@@ -176,17 +180,34 @@ class Trainer:
         self.vocab_size = self.model_config.vocab_size
         self.max_len = getattr(self.model_config, "max_position_embeddings", 1 << 30)
 
+    def _packing(self, model) -> bool:
+        """Whether micro-batches are packed (``learner.packing``); switches the model's attention
+        to the varlen function when they are."""
+        why = packable(type(model), model.config)
+        if self.cfg.packing == "on" and why:
+            raise ValueError(f"learner.packing is on, but {self.cfg.model} cannot run packed rows: {why}")
+        if self.cfg.packing == "off" or why:
+            if why and self.rank == 0:
+                logger.info("padded micro-batches: %s", why)
+            return False
+        register()
+        model.set_attn_implementation(ATTENTION)
+        return True
+
     # -- training ------------------------------------------------------------------------
-    def _plan(self, samples: list[Sample]) -> list[tuple[list[int], int]]:
+    def _plan(self, samples: list[Sample], budget: int | None = None) -> list[tuple[list[int], int]]:
         """This rank's micro-batches (sample indices; empty ones still run, see ``train_step``)
         and for each the LM-head calls to make: the most any rank needs for its micro-batch of
         that index. ZeRO-3 gathers the head's weight at every call, a collective: ranks whose
-        micro-batches differ in size must still call it as often as each other."""
+        micro-batches differ in size must still call it as often as each other. ``budget``:
+        tokens per micro-batch (default: training's)."""
         lengths = [len(s.prompt) + len(s.completion) for s in samples]
-        plans = plan_step(lengths, self.world_size, self.cfg.micro_batch_tokens)
+        plans = plan_step(lengths, self.world_size, budget or self.cfg.micro_batch_tokens, self.packed)
 
-        def rows(mb: list[int]) -> int:  # padded completion tokens of the micro-batch as run
+        def rows(mb: list[int]) -> int:  # LM-head rows of the micro-batch as run
             batch = [samples[i] for i in mb] or [samples[0]]
+            if self.packed:  # completion tokens only
+                return sum(len(s.completion) for s in batch)
             return len(batch) * max(len(s.completion) for s in batch)
 
         calls = [
@@ -198,8 +219,10 @@ class Trainer:
         """The module's per-token output: (log-probs, entropies) of a policy, (values, None) of a
         critic."""
         if self.role == "critic":
-            return engine(b.ids, b.starts, b.width), None
-        return engine(b.ids, b.targets, b.starts, b.width, self.cfg.loss.temperature, calls)
+            return engine(b.ids, b.starts, b.width, packing=b.packing), None
+        return engine(
+            b.ids, b.targets, b.starts, b.width, self.cfg.loss.temperature, calls, packing=b.packing
+        )
 
     def _loss(
         self, b: Batch, totals: Totals, calls: int
@@ -238,7 +261,7 @@ class Trainer:
             self.engine.set_gradient_accumulation_boundary(k == len(plan) - 1)
             # An empty micro-batch still runs forward/backward (weight 0): ZeRO-3 reduces
             # gradients inside backward, so every rank must run as many as the others.
-            b = to_batch([samples[i] for i in mb] or [samples[0]], self.device)
+            b = to_batch([samples[i] for i in mb] or [samples[0]], self.device, self.packed)
             b.mask = b.mask * (1.0 if mb else 0.0)
             loss, entropy, stats = self._loss(b, totals, calls)
             # ZeRO averages gradients over ranks; our loss is already a share of the global
@@ -285,7 +308,7 @@ class Trainer:
         (critic). Collective: each rank scores its share (balanced as in training, the same
         number of micro-batches everywhere for ZeRO-3's gathers), and one all-reduce of a flat
         buffer, on the training device, gives every rank all of it."""
-        plan = self._plan(samples)
+        plan = self._plan(samples, self.cfg.score_micro_batch_tokens or 4 * self.cfg.micro_batch_tokens)
         sizes = [len(s.completion) for s in samples]
         offsets = [0]
         for n in sizes:
@@ -294,9 +317,8 @@ class Trainer:
         self.engine.train(False)
         with torch.no_grad():
             for mb, calls in plan:
-                out, _ = self._per_token(
-                    self.engine, to_batch([samples[i] for i in mb] or [samples[0]], self.device), calls
-                )
+                batch = to_batch([samples[i] for i in mb] or [samples[0]], self.device, self.packed)
+                out, _ = self._per_token(self.engine, batch, calls)
                 for row, i in enumerate(mb):
                     flat[offsets[i] : offsets[i + 1]] = out[row, : sizes[i]].float()
         dist.all_reduce(flat)

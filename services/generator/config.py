@@ -26,8 +26,14 @@ class EngineConfig(StrictModel):
     """Share of GPU memory vLLM may use (GPU only)."""
     kv_cache_gib: float = Field(1.0, gt=0, le=4096)
     """KV cache size in GiB on CPU (vLLM on CPU refuses to start without it)."""
-    enforce_eager: bool = True
-    """Skip torch.compile and CUDA graphs: starts in seconds; turn off on GPUs for throughput."""
+    enforce_eager: bool | None = None
+    """Skip torch.compile and CUDA graphs. None: eager on CPU (compiling costs ~45 s at every
+    start there and gains little), vLLM's default on GPUs (CUDA graphs: decoding runs several
+    times faster than eager)."""
+    max_lora_rank: Literal[0, 1, 8, 16, 32, 64, 128, 256, 320, 512] = 0
+    """Highest LoRA rank the replica takes in an adapter push (a learner with ``learner.lora``
+    pushes its adapter only, loaded through vLLM's LoRA API); 0 runs vLLM without LoRA (full
+    weight pushes only). vLLM takes these ranks only. On CPU, LoRA turns vLLM's compilation off."""
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
     """Which logprobs samples carry: after temperature/top-k/top-p (the distribution actually
     sampled, what importance ratios need) or of the raw logits."""

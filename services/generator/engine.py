@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from relayrl.common.rpc import Unavailable
+from relayrl.common.weightsync.adapters import AdapterSpec
 from relayrl.common.weightsync.cudaipc import Shared
 from relayrl.common.weightsync.plan import Bucket, TensorMeta, safetensors_kind
 from relayrl.generator.bridge import ChatCodec
@@ -113,6 +114,8 @@ class EngineStatus:
     device: str = "cpu"
     gpu_uuids: tuple[str, ...] = ()
     transport: str = ""  # the open weight sync's: "gloo", "nccl", "shm", "ipc"; "" when none
+    max_lora_rank: int = 0  # 0: full weights only
+    serving_lora: bool = False  # a pushed adapter runs over the base weights
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,7 @@ class GenerationEngine(Protocol):
         buckets: list[Bucket],
         transport_only: bool = False,
         source: BucketSource | None = None,
+        lora: AdapterSpec | None = None,
     ) -> tuple[int, float, list[int]]: ...
     async def close_weight_sync(self) -> None: ...
     def check_tensor(self, meta: TensorMeta) -> None: ...

@@ -21,6 +21,7 @@ from relayrl.generator.toolcalls import parse_tool_calls
 from relayrl.generator.v1 import generator_pb2, generator_pb2_grpc
 from relayrl.generator.wire import (
     TRANSPORT_PROTO,
+    adapter_from_proto,
     check_to_proto,
     check_tool_format,
     check_version,
@@ -155,6 +156,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             device=st.device,
             gpu_uuids=st.gpu_uuids,
             weight_transport=TRANSPORT_PROTO.get(st.transport, generator_pb2.WEIGHT_TRANSPORT_UNSPECIFIED),
+            max_lora_rank=st.max_lora_rank,
+            serving_lora=st.serving_lora,
         )
 
     @map_errors
@@ -202,13 +205,14 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         if not buckets:
             raise InvalidRequest("plan has no buckets")
         source = source_from_proto(request, len(buckets))
+        lora = adapter_from_proto(request.lora) if request.HasField("lora") else None
         if request.transport_only:  # no swap: readiness and weights stay as they are
             nbytes, secs, sums = await self.engine.update_weights(
                 version, buckets, transport_only=True, source=source
             )
         else:
             nbytes, secs, sums = await self._swapping(
-                lambda: self.engine.update_weights(version, buckets, source=source)
+                lambda: self.engine.update_weights(version, buckets, source=source, lora=lora)
             )
         # The version the engine holds now, not the request's: the learner checks the two agree.
         return generator_pb2.UpdateWeightsResponse(

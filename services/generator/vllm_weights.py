@@ -10,6 +10,11 @@ vLLM any tensor when it failed leaves the weights of no known version, and the r
 being ready until a complete load succeeds. A load refused before its first tensor (a bad
 request, a segment that is not one, a push given up before its first bucket) changes nothing:
 the replica stays ready, at its version.
+
+A LoRA adapter push (``lora``) never touches the model: the workers write the adapter's folder
+(``common/weightsync/adapters.py``), and only once it is whole is it loaded through vLLM's LoRA
+API (``add_lora``) and made the adapter every request runs with, under the pushed version. A push
+that fails or stops half-way, or an adapter vLLM refuses, leaves the previous adapter serving.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 
-from relayrl.common.rpc import DataLoss, FailedPrecondition, InvalidRequest, Unavailable
+from relayrl.common.rpc import DataLoss, FailedPrecondition, InvalidRequest, ServiceError, Unavailable
+from relayrl.common.weightsync.adapters import AdapterSpec, adapter_problems
 from relayrl.common.weightsync.buckets import from_bytes, non_finite
 from relayrl.common.weightsync.plan import Bucket, TensorMeta, check_plan, plan_to_plain
 from relayrl.generator.engine import BucketSource, SyncSpec, within
@@ -93,6 +99,8 @@ class WeightSwaps:
     # again is a retry only if it carries the same bytes (a retried push that the first one
     # reached after all); other bytes under the same number are refused, never reported loaded.
     _held: tuple[int, list[int]] | None = None
+    _lora = None  # the LoRARequest every request runs with (None: the base weights alone)
+    _adapter_root = ""  # where pushed adapters are written (a private temporary folder)
 
     def _running(self) -> None:
         if self._llm is None or self._llm.errored:
@@ -192,24 +200,81 @@ class WeightSwaps:
         buckets: list[Bucket],
         transport_only: bool = False,
         source: BucketSource | None = None,
+        lora: AdapterSpec | None = None,
     ) -> tuple[int, float, list[int]]:
         """Take ``buckets`` over the open weight sync and switch to ``version`` (or, with
         ``transport_only``, take and discard them: the weights and version stay). Over a group
-        the learner broadcasts them; over SHM or IPC ``source`` says where they are."""
+        the learner broadcasts them; over SHM or IPC ``source`` says where they are. With
+        ``lora`` they are that adapter's tensors (see the module doc)."""
         method, where = self._where(buckets, source)
         plan = plan_to_plain(buckets)  # the form that crosses collective_rpc
         if transport_only:
             t0 = time.monotonic()
             got = self._answer(await self._rpc(method, (plan, *where, False)), version, loading=False)
             return got["nbytes"], time.monotonic() - t0, got["checksums"]
-        problems = check_plan(
-            [t for b in buckets for t in b.tensors], self._expected, self._optional, self._kinds
-        )
-        if problems:
+        refusal = self._refusal([t for b in buckets for t in b.tensors], lora)
+        if refusal is not None:
             if self._sync.transport in ("gloo", "nccl"):  # drain: the learner must not be left blocked
                 self._answer(await self._rpc(method, (plan, *where, False)), version, loading=False)
-            raise InvalidRequest("weight plan does not match the model: " + "; ".join(problems))
-        return await self._swap_in(version, method, (plan, *where, True), drain=(plan, *where, False))
+            raise refusal
+        drain = (plan, *where, False)
+        if lora is None:
+            return await self._swap_in(version, method, (plan, *where, True), drain=drain)
+        folder = f"{self._adapter_root}/v{version}"
+        adapter = {"folder": folder, "rank": lora.rank, "alpha": lora.alpha,
+                   "target_modules": list(lora.target_modules), "base_model": self.config.engine.model}  # fmt: skip
+        return await self._swap_in(
+            version, method, (plan, *where, adapter), drain=drain, adapter=(version, folder)
+        )
+
+    def _refusal(self, metas: list[TensorMeta], lora: AdapterSpec | None) -> ServiceError | None:
+        """Why a push of ``metas`` (an adapter's with ``lora``) cannot load here, or None."""
+        if lora is None:
+            problems = check_plan(metas, self._expected, self._optional, self._kinds)
+            return (
+                InvalidRequest("weight plan does not match the model: " + "; ".join(problems))
+                if problems
+                else None
+            )
+        have = self.config.engine.max_lora_rank
+        if have < lora.rank:
+            why = "runs without LoRA" if not have else f"takes LoRA ranks up to {have}"
+            return FailedPrecondition(
+                f"this replica {why} (generator engine.max_lora_rank); the adapter's rank is {lora.rank}"
+            )
+        problems = [lora.problem()] if lora.problem() else adapter_problems(lora, metas)
+        return (
+            InvalidRequest("not the adapter's tensors: " + "; ".join(problems)[:2000]) if problems else None
+        )
+
+    async def _activate(self, version: int, folder: str) -> None:
+        """Load the adapter written in ``folder`` into vLLM and serve every later request with it;
+        the previous one is unloaded and its folder removed. vLLM refusing it changes nothing."""
+        import shutil
+
+        from vllm.lora.request import LoRARequest
+
+        req = LoRARequest(f"relayrl-v{version}", version, folder)
+        try:
+            await within(self._llm.add_lora(req), ENGINE_CALL_S, "loading the adapter into vLLM")
+        except Unavailable:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        except Exception as e:  # vLLM's own checks: modules the model lacks, shapes
+            shutil.rmtree(folder, ignore_errors=True)
+            raise InvalidRequest(f"vLLM refused the adapter of version {version}: {e}") from None
+        old, self._lora = self._lora, req
+        if old is not None:
+            await self._unload(old)
+
+    async def _unload(self, req) -> None:
+        import shutil
+
+        try:
+            await within(self._llm.remove_lora(req.lora_int_id), ENGINE_CALL_S, "unloading an adapter")
+        except Exception as e:  # it stays in vLLM's cache until evicted: memory, not correctness
+            logger.warning("could not unload adapter %s: %s", req.lora_name, e)
+        shutil.rmtree(req.lora_path, ignore_errors=True)
 
     def check_tensor(self, meta: TensorMeta) -> None:
         """Refuse a tensor this model does not hold, or one of another shape or kind, before its
@@ -269,12 +334,19 @@ class WeightSwaps:
         raise _STATUS.get(got["kind"], Unavailable)(got["error"] + suffix)
 
     async def _swap_in(
-        self, version: int, method: str, args: tuple, drain: tuple | None = None
+        self,
+        version: int,
+        method: str,
+        args: tuple,
+        drain: tuple | None = None,
+        adapter: tuple[int, str] | None = None,
     ) -> tuple[int, float, list[int]]:
         """Load ``version`` with ``method(*args)``. One that is not newer than what the replica
         holds once the swaps before it are done (``drain``: the arguments that take the buckets
         without loading them) is taken, then answered as done when it is the version held with
-        the same bytes (a retried push that the first one reached after all), refused otherwise."""
+        the same bytes (a retried push that the first one reached after all), refused otherwise.
+        ``adapter`` (version, folder): the load wrote a LoRA adapter there, activated before
+        the version changes; without it the load replaced the weights, and any adapter goes."""
         # wait: one swap at a time, each bounded (control calls ENGINE_CALL_S; the load by its
         # transport's timeouts inside the workers, or the engine's death)
         async with self._swap_lock:
@@ -311,6 +383,11 @@ class WeightSwaps:
                             "nothing until a complete version loads"
                         ) from e
                     got = self._answer(results, version, loading=True)
+                    if adapter is not None:
+                        await self._activate(*adapter)
+                    elif self._lora is not None:  # full weights: the whole policy, no adapter over it
+                        old, self._lora = self._lora, None
+                        await self._unload(old)
                     self.version = version
                     self._held = (version, list(got["checksums"]))
                     self._weights_broken = False

@@ -11,6 +11,7 @@ from typing import Any
 from relayrl.common.rpc import InvalidRequest, bounded
 from relayrl.common.v1 import common_pb2
 from relayrl.common.weightsync import shm
+from relayrl.common.weightsync.adapters import MAX_TARGETS, AdapterSpec
 from relayrl.common.weightsync.cudaipc import shared_from_proto
 from relayrl.generator.bridge import MAX_APPEND, ChatCheck, check_append
 from relayrl.generator.engine import (
@@ -313,3 +314,19 @@ def source_from_proto(r: generator_pb2.UpdateWeightsRequest, n_buckets: int) -> 
             raise InvalidRequest(f"ipc.buffers has {len(r.ipc.buffers)} entries for {n_buckets} buckets")
         return BucketSource(ipc=tuple(shared_from_proto(b) for b in r.ipc.buffers))
     return None
+
+
+def adapter_from_proto(a: generator_pb2.LoraAdapter) -> AdapterSpec:
+    """``UpdateWeightsRequest.lora``, checked (INVALID_ARGUMENT naming the field).
+
+    >>> adapter_from_proto(generator_pb2.LoraAdapter(rank=8, alpha=16, target_modules=["q_proj"]))
+    AdapterSpec(rank=8, alpha=16.0, target_modules=('q_proj',))
+    >>> adapter_from_proto(generator_pb2.LoraAdapter(rank=8, alpha=16))
+    Traceback (most recent call last):
+    ...
+    relayrl.common.rpc.InvalidRequest: lora.target_modules must name 1 to 64 modules
+    """
+    spec = AdapterSpec(a.rank, a.alpha, tuple(a.target_modules[: MAX_TARGETS + 1]))
+    if why := spec.problem():
+        raise InvalidRequest(why)
+    return spec

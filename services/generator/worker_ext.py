@@ -133,7 +133,7 @@ class WeightSyncExtension:
         if got != checksum:
             raise ValueError("the CUDA IPC probe does not hold the value the learner wrote")
 
-    def relayrl_receive(self, plan: list[dict], opening: int, load: bool) -> dict:
+    def relayrl_receive(self, plan: list[dict], opening: int, load: bool | dict) -> dict:
         """Receive every bucket of ``plan`` from rank 0 of the open group; load them if ``load``,
         else discard them (a rejected plan is still drained so the sender and the group are not
         left hanging; a transport-only push is timed this way). The group must be ``opening``,
@@ -159,7 +159,7 @@ class WeightSyncExtension:
         push_id: int,
         ready_offset: int,
         timeout_s: float,
-        load: bool,
+        load: bool | dict,
     ) -> dict:
         """The buckets of ``plan`` from the learner's shared-memory segment, at ``offsets``; with a
         ``push_id`` each is taken as soon as the ready table marks it complete (the learner is
@@ -182,7 +182,7 @@ class WeightSyncExtension:
         finally:
             seg.close()
 
-    def relayrl_read_ipc(self, plan: list[dict], shared: list[dict], load: bool) -> dict:
+    def relayrl_read_ipc(self, plan: list[dict], shared: list[dict], load: bool | dict) -> dict:
         """The buckets of ``plan`` from the learner's CUDA buffers (one per bucket, same GPU), all
         opened before the model is touched."""
         buckets = plan_from_plain(plan)
@@ -200,11 +200,14 @@ class WeightSyncExtension:
             buckets, ((b, buf, None) for b, buf in zip(buckets, bufs, strict=True)), load
         )
 
-    def _relayrl_take(self, buckets: list[Bucket], sources, load: bool) -> dict:
+    def _relayrl_take(self, buckets: list[Bucket], sources, load: bool | dict) -> dict:
         """Take every (bucket, buffer, checksum or None) of ``sources``: checksum each, load them
-        if ``load`` (else just read them through). Returns the load's ``outcome``."""
+        if ``load`` is True, write them as a LoRA adapter if it is one (a dict: folder and
+        shape, see ``_relayrl_adapter``), else just read them through. Returns the ``outcome``."""
         state = _Load()
-        if load:
+        if isinstance(load, dict):
+            self._relayrl_adapter(self._relayrl_stream(sources, torch.device("cpu"), state), state, load)
+        elif load:
             # Resolve the device now: during a layerwise reload the model's parameters sit on
             # the meta device, so asking them inside the iterator would give "meta".
             self._relayrl_reload(self._relayrl_stream(sources, self._relayrl_model_device(), state), state)
@@ -217,6 +220,25 @@ class WeightSyncExtension:
         return outcome(
             sum(b.nbytes for b in buckets), state.checksums, state.kind, state.error, state.touched
         )
+
+    def _relayrl_adapter(
+        self, tensors: Iterator[tuple[str, torch.Tensor]], state: _Load, adapter: dict
+    ) -> None:
+        """Write a pushed LoRA adapter's tensors as an adapter folder (``adapter["folder"]``),
+        whole or not at all, for the engine to load through vLLM's LoRA API. The model is not
+        touched: a push that fails half-way leaves the serving adapter as it was. One worker
+        writes (they all receive the same bytes: ``combine`` checks their checksums)."""
+        from relayrl.common.weightsync.adapters import AdapterSpec, write_adapter
+
+        got = {name: t.clone() for name, t in tensors}
+        state.touched = False  # a file, not the model
+        if state.error or int(getattr(self, "rank", 0)) != 0:
+            return
+        spec = AdapterSpec(adapter["rank"], adapter["alpha"], tuple(adapter["target_modules"]))
+        try:
+            write_adapter(adapter["folder"], spec, got, adapter.get("base_model", ""))
+        except Exception as e:  # a full disk, a folder that cannot be made
+            state.fail("unavailable", f"the adapter could not be written: {e}")
 
     def _relayrl_reload(self, weights: Iterator[tuple[str, torch.Tensor]], state: _Load) -> None:
         """vLLM's layerwise reload of ``weights``. Our iterator never raises into it; should vLLM's

@@ -31,7 +31,7 @@ class FakeEngine:
         self.delay, self.gate, self.fail = delay, None, None
         self.version, self.swapping, self.active, self.cancelled = 0, False, 0, 0
         self.calls, self.buckets, self.loaded, self.shutdowns = [], [], [], 0
-        self.syncs, self.sources = [], []
+        self.syncs, self.sources, self.adapters = [], [], []
         self.codec = None
 
     def encode_messages(self, messages, tools=None):
@@ -114,8 +114,9 @@ class FakeEngine:
         self.syncs.append(spec)
         return (spec.rank, 1) if spec.transport in ("gloo", "nccl") else (0, 1)
 
-    async def update_weights(self, version, buckets, transport_only=False, source=None):
+    async def update_weights(self, version, buckets, transport_only=False, source=None, lora=None):
         self.sources.append(source)
+        self.adapters.append(lora)
         return await self._swap(version, self.buckets, [b.nbytes for b in buckets])
 
     async def close_weight_sync(self):

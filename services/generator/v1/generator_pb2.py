@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from relayrl.common.v1 import common_pb2 as relayrl_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$relayrl/generator/v1/generator.proto\x12\x14relayrl.generator.v1\x1a\x1erelayrl/common/v1/common.proto\"\xad\x02\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\t \x01(\x08\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x13\n\x0btool_format\x18\x0b \x01(\t\x12\x16\n\x0e\x66it_to_context\x18\x0c \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\x89\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x07prompts\x18\x02 \x03(\x0b\x32\x19.relayrl.common.v1.Prompt\x12\x36\n\x08sampling\x18\x03 \x01(\x0b\x32$.relayrl.generator.v1.SamplingParams\">\n\x10GenerateResponse\x12*\n\x07samples\x18\x01 \x03(\x0b\x32\x19.relayrl.common.v1.Sample\"\x12\n\x10GetStatusRequest\"\xec\x02\n\x11GetStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x1c\n\x14num_running_requests\x18\x04 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\r\n\x05ready\x18\x07 \x01(\x08\x12\x10\n\x08swapping\x18\x08 \x01(\x08\x12\x18\n\x10weight_sync_open\x18\t \x01(\x08\x12\x19\n\x11weight_sync_ranks\x18\n \x01(\r\x12\x0f\n\x07host_id\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x11\n\tgpu_uuids\x18\r \x03(\t\x12?\n\x10weight_transport\x18\x0e \x01(\x0e\x32%.relayrl.generator.v1.WeightTransport\"^\n\x13SharedMemoryBuckets\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x0f\n\x07offsets\x18\x02 \x03(\x04\x12\x0f\n\x07push_id\x18\x03 \x01(\x04\x12\x14\n\x0cready_offset\x18\x04 \x01(\x04\"C\n\x0e\x43udaIpcBuckets\x12\x31\n\x07\x62uffers\x18\x01 \x03(\x0b\x32 .relayrl.common.v1.CudaIpcBuffer\"\xbb\x02\n\x15InitWeightSyncRequest\x12\x13\n\x0bmaster_addr\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x12\n\ngroup_name\x18\x06 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x07 \x01(\x01\x12\x38\n\ttransport\x18\x08 \x01(\x0e\x32%.relayrl.generator.v1.WeightTransport\x12\x11\n\tshm_probe\x18\t \x01(\t\x12\x33\n\tipc_probe\x18\n \x01(\x0b\x32 .relayrl.common.v1.CudaIpcBuffer\x12\x16\n\x0eprobe_checksum\x18\x0b \x01(\x04\"\x87\x01\n\x16InitWeightSyncResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x11\n\tnum_ranks\x18\x03 \x01(\r\x12\x38\n\ttransport\x18\x04 \x01(\x0e\x32%.relayrl.generator.v1.WeightTransport\"\xe5\x01\n\x14UpdateWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12+\n\x04plan\x18\x02 \x01(\x0b\x32\x1d.relayrl.common.v1.BucketPlan\x12\x16\n\x0etransport_only\x18\x03 \x01(\x08\x12\x38\n\x03shm\x18\x04 \x01(\x0b\x32).relayrl.generator.v1.SharedMemoryBucketsH\x00\x12\x33\n\x03ipc\x18\x05 \x01(\x0b\x32$.relayrl.generator.v1.CudaIpcBucketsH\x00\x42\x08\n\x06source\"h\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0cswap_seconds\x18\x02 \x01(\x01\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x18\n\x10\x62ucket_checksums\x18\x04 \x03(\x04\"\x18\n\x16\x43loseWeightSyncRequest\"\x19\n\x17\x43loseWeightSyncResponse\"u\n\x12LoadWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12)\n\x06tensor\x18\x02 \x01(\x0b\x32\x19.relayrl.common.v1.Tensor\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x04 \x01(\r\"{\n\x13LoadWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0cswap_seconds\x18\x02 \x01(\x01\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x04 \x01(\r\x12\x18\n\x10tensor_checksums\x18\x05 \x03(\x04\";\n\x10\x43heckChatRequest\x12\x12\n\ntools_json\x18\x01 \x01(\t\x12\x13\n\x0btool_format\x18\x02 \x01(\t\"\xca\x01\n\x11\x43heckChatResponse\x12!\n\x19tools_missing_from_prompt\x18\x01 \x03(\t\x12\x15\n\rround_trip_ok\x18\x02 \x01(\x08\x12\x19\n\x11round_trip_detail\x18\x03 \x01(\t\x12\x19\n\x11prefix_preserving\x18\x04 \x01(\x08\x12\x15\n\rbridge_detail\x18\x05 \x01(\t\x12\x16\n\x0eglue_token_ids\x18\x06 \x03(\x05\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05*\x9d\x01\n\x0fWeightTransport\x12 \n\x1cWEIGHT_TRANSPORT_UNSPECIFIED\x10\x00\x12\x19\n\x15WEIGHT_TRANSPORT_GLOO\x10\x01\x12\x19\n\x15WEIGHT_TRANSPORT_NCCL\x10\x02\x12\x18\n\x14WEIGHT_TRANSPORT_SHM\x10\x03\x12\x18\n\x14WEIGHT_TRANSPORT_IPC\x10\x04\x32\xd8\x05\n\x10GeneratorService\x12[\n\x08Generate\x12%.relayrl.generator.v1.GenerateRequest\x1a&.relayrl.generator.v1.GenerateResponse0\x01\x12\\\n\tGetStatus\x12&.relayrl.generator.v1.GetStatusRequest\x1a\'.relayrl.generator.v1.GetStatusResponse\x12k\n\x0eInitWeightSync\x12+.relayrl.generator.v1.InitWeightSyncRequest\x1a,.relayrl.generator.v1.InitWeightSyncResponse\x12h\n\rUpdateWeights\x12*.relayrl.generator.v1.UpdateWeightsRequest\x1a+.relayrl.generator.v1.UpdateWeightsResponse\x12n\n\x0f\x43loseWeightSync\x12,.relayrl.generator.v1.CloseWeightSyncRequest\x1a-.relayrl.generator.v1.CloseWeightSyncResponse\x12\x64\n\x0bLoadWeights\x12(.relayrl.generator.v1.LoadWeightsRequest\x1a).relayrl.generator.v1.LoadWeightsResponse(\x01\x12\\\n\tCheckChat\x12&.relayrl.generator.v1.CheckChatRequest\x1a\'.relayrl.generator.v1.CheckChatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$relayrl/generator/v1/generator.proto\x12\x14relayrl.generator.v1\x1a\x1erelayrl/common/v1/common.proto\"\xad\x02\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\t \x01(\x08\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x13\n\x0btool_format\x18\x0b \x01(\t\x12\x16\n\x0e\x66it_to_context\x18\x0c \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\x89\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x07prompts\x18\x02 \x03(\x0b\x32\x19.relayrl.common.v1.Prompt\x12\x36\n\x08sampling\x18\x03 \x01(\x0b\x32$.relayrl.generator.v1.SamplingParams\">\n\x10GenerateResponse\x12*\n\x07samples\x18\x01 \x03(\x0b\x32\x19.relayrl.common.v1.Sample\"\x12\n\x10GetStatusRequest\"\x99\x03\n\x11GetStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x1c\n\x14num_running_requests\x18\x04 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\r\n\x05ready\x18\x07 \x01(\x08\x12\x10\n\x08swapping\x18\x08 \x01(\x08\x12\x18\n\x10weight_sync_open\x18\t \x01(\x08\x12\x19\n\x11weight_sync_ranks\x18\n \x01(\r\x12\x0f\n\x07host_id\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x11\n\tgpu_uuids\x18\r \x03(\t\x12?\n\x10weight_transport\x18\x0e \x01(\x0e\x32%.relayrl.generator.v1.WeightTransport\x12\x15\n\rmax_lora_rank\x18\x0f \x01(\r\x12\x14\n\x0cserving_lora\x18\x10 \x01(\x08\"^\n\x13SharedMemoryBuckets\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x0f\n\x07offsets\x18\x02 \x03(\x04\x12\x0f\n\x07push_id\x18\x03 \x01(\x04\x12\x14\n\x0cready_offset\x18\x04 \x01(\x04\"C\n\x0e\x43udaIpcBuckets\x12\x31\n\x07\x62uffers\x18\x01 \x03(\x0b\x32 .relayrl.common.v1.CudaIpcBuffer\"\xbb\x02\n\x15InitWeightSyncRequest\x12\x13\n\x0bmaster_addr\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x12\n\ngroup_name\x18\x06 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x07 \x01(\x01\x12\x38\n\ttransport\x18\x08 \x01(\x0e\x32%.relayrl.generator.v1.WeightTransport\x12\x11\n\tshm_probe\x18\t \x01(\t\x12\x33\n\tipc_probe\x18\n \x01(\x0b\x32 .relayrl.common.v1.CudaIpcBuffer\x12\x16\n\x0eprobe_checksum\x18\x0b \x01(\x04\"\x87\x01\n\x16InitWeightSyncResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x11\n\tnum_ranks\x18\x03 \x01(\r\x12\x38\n\ttransport\x18\x04 \x01(\x0e\x32%.relayrl.generator.v1.WeightTransport\"\x96\x02\n\x14UpdateWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12+\n\x04plan\x18\x02 \x01(\x0b\x32\x1d.relayrl.common.v1.BucketPlan\x12\x16\n\x0etransport_only\x18\x03 \x01(\x08\x12\x38\n\x03shm\x18\x04 \x01(\x0b\x32).relayrl.generator.v1.SharedMemoryBucketsH\x00\x12\x33\n\x03ipc\x18\x05 \x01(\x0b\x32$.relayrl.generator.v1.CudaIpcBucketsH\x00\x12/\n\x04lora\x18\x06 \x01(\x0b\x32!.relayrl.generator.v1.LoraAdapterB\x08\n\x06source\"B\n\x0bLoraAdapter\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05\x61lpha\x18\x02 \x01(\x01\x12\x16\n\x0etarget_modules\x18\x03 \x03(\t\"h\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0cswap_seconds\x18\x02 \x01(\x01\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x18\n\x10\x62ucket_checksums\x18\x04 \x03(\x04\"\x18\n\x16\x43loseWeightSyncRequest\"\x19\n\x17\x43loseWeightSyncResponse\"u\n\x12LoadWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12)\n\x06tensor\x18\x02 \x01(\x0b\x32\x19.relayrl.common.v1.Tensor\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x04 \x01(\r\"{\n\x13LoadWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0cswap_seconds\x18\x02 \x01(\x01\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x04 \x01(\r\x12\x18\n\x10tensor_checksums\x18\x05 \x03(\x04\";\n\x10\x43heckChatRequest\x12\x12\n\ntools_json\x18\x01 \x01(\t\x12\x13\n\x0btool_format\x18\x02 \x01(\t\"\xca\x01\n\x11\x43heckChatResponse\x12!\n\x19tools_missing_from_prompt\x18\x01 \x03(\t\x12\x15\n\rround_trip_ok\x18\x02 \x01(\x08\x12\x19\n\x11round_trip_detail\x18\x03 \x01(\t\x12\x19\n\x11prefix_preserving\x18\x04 \x01(\x08\x12\x15\n\rbridge_detail\x18\x05 \x01(\t\x12\x16\n\x0eglue_token_ids\x18\x06 \x03(\x05\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05*\x9d\x01\n\x0fWeightTransport\x12 \n\x1cWEIGHT_TRANSPORT_UNSPECIFIED\x10\x00\x12\x19\n\x15WEIGHT_TRANSPORT_GLOO\x10\x01\x12\x19\n\x15WEIGHT_TRANSPORT_NCCL\x10\x02\x12\x18\n\x14WEIGHT_TRANSPORT_SHM\x10\x03\x12\x18\n\x14WEIGHT_TRANSPORT_IPC\x10\x04\x32\xd8\x05\n\x10GeneratorService\x12[\n\x08Generate\x12%.relayrl.generator.v1.GenerateRequest\x1a&.relayrl.generator.v1.GenerateResponse0\x01\x12\\\n\tGetStatus\x12&.relayrl.generator.v1.GetStatusRequest\x1a\'.relayrl.generator.v1.GetStatusResponse\x12k\n\x0eInitWeightSync\x12+.relayrl.generator.v1.InitWeightSyncRequest\x1a,.relayrl.generator.v1.InitWeightSyncResponse\x12h\n\rUpdateWeights\x12*.relayrl.generator.v1.UpdateWeightsRequest\x1a+.relayrl.generator.v1.UpdateWeightsResponse\x12n\n\x0f\x43loseWeightSync\x12,.relayrl.generator.v1.CloseWeightSyncRequest\x1a-.relayrl.generator.v1.CloseWeightSyncResponse\x12\x64\n\x0bLoadWeights\x12(.relayrl.generator.v1.LoadWeightsRequest\x1a).relayrl.generator.v1.LoadWeightsResponse(\x01\x12\\\n\tCheckChat\x12&.relayrl.generator.v1.CheckChatRequest\x1a\'.relayrl.generator.v1.CheckChatResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'relayrl.generator.v1.generator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WEIGHTTRANSPORT']._serialized_start=2512
-  _globals['_WEIGHTTRANSPORT']._serialized_end=2669
+  _globals['_WEIGHTTRANSPORT']._serialized_start=2674
+  _globals['_WEIGHTTRANSPORT']._serialized_end=2831
   _globals['_SAMPLINGPARAMS']._serialized_start=95
   _globals['_SAMPLINGPARAMS']._serialized_end=396
   _globals['_GENERATEREQUEST']._serialized_start=399
@@ -43,31 +43,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATUSREQUEST']._serialized_start=602
   _globals['_GETSTATUSREQUEST']._serialized_end=620
   _globals['_GETSTATUSRESPONSE']._serialized_start=623
-  _globals['_GETSTATUSRESPONSE']._serialized_end=987
-  _globals['_SHAREDMEMORYBUCKETS']._serialized_start=989
-  _globals['_SHAREDMEMORYBUCKETS']._serialized_end=1083
-  _globals['_CUDAIPCBUCKETS']._serialized_start=1085
-  _globals['_CUDAIPCBUCKETS']._serialized_end=1152
-  _globals['_INITWEIGHTSYNCREQUEST']._serialized_start=1155
-  _globals['_INITWEIGHTSYNCREQUEST']._serialized_end=1470
-  _globals['_INITWEIGHTSYNCRESPONSE']._serialized_start=1473
-  _globals['_INITWEIGHTSYNCRESPONSE']._serialized_end=1608
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1611
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1840
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1842
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1946
-  _globals['_CLOSEWEIGHTSYNCREQUEST']._serialized_start=1948
-  _globals['_CLOSEWEIGHTSYNCREQUEST']._serialized_end=1972
-  _globals['_CLOSEWEIGHTSYNCRESPONSE']._serialized_start=1974
-  _globals['_CLOSEWEIGHTSYNCRESPONSE']._serialized_end=1999
-  _globals['_LOADWEIGHTSREQUEST']._serialized_start=2001
-  _globals['_LOADWEIGHTSREQUEST']._serialized_end=2118
-  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=2120
-  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=2243
-  _globals['_CHECKCHATREQUEST']._serialized_start=2245
-  _globals['_CHECKCHATREQUEST']._serialized_end=2304
-  _globals['_CHECKCHATRESPONSE']._serialized_start=2307
-  _globals['_CHECKCHATRESPONSE']._serialized_end=2509
-  _globals['_GENERATORSERVICE']._serialized_start=2672
-  _globals['_GENERATORSERVICE']._serialized_end=3400
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1032
+  _globals['_SHAREDMEMORYBUCKETS']._serialized_start=1034
+  _globals['_SHAREDMEMORYBUCKETS']._serialized_end=1128
+  _globals['_CUDAIPCBUCKETS']._serialized_start=1130
+  _globals['_CUDAIPCBUCKETS']._serialized_end=1197
+  _globals['_INITWEIGHTSYNCREQUEST']._serialized_start=1200
+  _globals['_INITWEIGHTSYNCREQUEST']._serialized_end=1515
+  _globals['_INITWEIGHTSYNCRESPONSE']._serialized_start=1518
+  _globals['_INITWEIGHTSYNCRESPONSE']._serialized_end=1653
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1656
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1934
+  _globals['_LORAADAPTER']._serialized_start=1936
+  _globals['_LORAADAPTER']._serialized_end=2002
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=2004
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=2108
+  _globals['_CLOSEWEIGHTSYNCREQUEST']._serialized_start=2110
+  _globals['_CLOSEWEIGHTSYNCREQUEST']._serialized_end=2134
+  _globals['_CLOSEWEIGHTSYNCRESPONSE']._serialized_start=2136
+  _globals['_CLOSEWEIGHTSYNCRESPONSE']._serialized_end=2161
+  _globals['_LOADWEIGHTSREQUEST']._serialized_start=2163
+  _globals['_LOADWEIGHTSREQUEST']._serialized_end=2280
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=2282
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=2405
+  _globals['_CHECKCHATREQUEST']._serialized_start=2407
+  _globals['_CHECKCHATREQUEST']._serialized_end=2466
+  _globals['_CHECKCHATRESPONSE']._serialized_start=2469
+  _globals['_CHECKCHATRESPONSE']._serialized_end=2671
+  _globals['_GENERATORSERVICE']._serialized_start=2834
+  _globals['_GENERATORSERVICE']._serialized_end=3562
 # @@protoc_insertion_point(module_scope)

@@ -70,7 +70,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("model", "replica_id", "policy_version", "num_running_requests", "num_waiting_requests", "max_model_len", "ready", "swapping", "weight_sync_open", "weight_sync_ranks", "host_id", "device", "gpu_uuids", "weight_transport")
+    __slots__ = ("model", "replica_id", "policy_version", "num_running_requests", "num_waiting_requests", "max_model_len", "ready", "swapping", "weight_sync_open", "weight_sync_ranks", "host_id", "device", "gpu_uuids", "weight_transport", "max_lora_rank", "serving_lora")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,8 @@ class GetStatusResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    SERVING_LORA_FIELD_NUMBER: _ClassVar[int]
     model: str
     replica_id: str
     policy_version: int
@@ -99,7 +101,9 @@ class GetStatusResponse(_message.Message):
     device: str
     gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
     weight_transport: WeightTransport
-    def __init__(self, model: _Optional[str] = ..., replica_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., max_model_len: _Optional[int] = ..., ready: _Optional[bool] = ..., swapping: _Optional[bool] = ..., weight_sync_open: _Optional[bool] = ..., weight_sync_ranks: _Optional[int] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., weight_transport: _Optional[_Union[WeightTransport, str]] = ...) -> None: ...
+    max_lora_rank: int
+    serving_lora: bool
+    def __init__(self, model: _Optional[str] = ..., replica_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., max_model_len: _Optional[int] = ..., ready: _Optional[bool] = ..., swapping: _Optional[bool] = ..., weight_sync_open: _Optional[bool] = ..., weight_sync_ranks: _Optional[int] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., weight_transport: _Optional[_Union[WeightTransport, str]] = ..., max_lora_rank: _Optional[int] = ..., serving_lora: _Optional[bool] = ...) -> None: ...
 
 class SharedMemoryBuckets(_message.Message):
     __slots__ = ("segment", "offsets", "push_id", "ready_offset")
@@ -158,18 +162,30 @@ class InitWeightSyncResponse(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., transport: _Optional[_Union[WeightTransport, str]] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("version", "plan", "transport_only", "shm", "ipc")
+    __slots__ = ("version", "plan", "transport_only", "shm", "ipc", "lora")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_ONLY_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     IPC_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     version: int
     plan: _common_pb2.BucketPlan
     transport_only: bool
     shm: SharedMemoryBuckets
     ipc: CudaIpcBuckets
-    def __init__(self, version: _Optional[int] = ..., plan: _Optional[_Union[_common_pb2.BucketPlan, _Mapping]] = ..., transport_only: _Optional[bool] = ..., shm: _Optional[_Union[SharedMemoryBuckets, _Mapping]] = ..., ipc: _Optional[_Union[CudaIpcBuckets, _Mapping]] = ...) -> None: ...
+    lora: LoraAdapter
+    def __init__(self, version: _Optional[int] = ..., plan: _Optional[_Union[_common_pb2.BucketPlan, _Mapping]] = ..., transport_only: _Optional[bool] = ..., shm: _Optional[_Union[SharedMemoryBuckets, _Mapping]] = ..., ipc: _Optional[_Union[CudaIpcBuckets, _Mapping]] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("rank", "alpha", "target_modules")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    alpha: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("version", "swap_seconds", "nbytes", "bucket_checksums")

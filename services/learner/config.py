@@ -91,6 +91,26 @@ class OptimConfig(StrictModel):
     """Clip the global gradient norm to this."""
 
 
+class LoraConfig(StrictModel):
+    """A LoRA adapter trained over frozen base weights (PEFT): only the adapter's tensors train,
+    are checkpointed and are pushed to the generators (vLLM loads them through its LoRA API)."""
+
+    rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = 16
+    """Rank r of each update (the ranks vLLM serves)."""
+    alpha: float = Field(32.0, gt=0, le=1e6)
+    """Scale numerator: each update is (alpha / r) B A."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        max_length=64,
+    )
+    """Names of the linear modules that get an adapter (the default: every attention and MLP
+    projection of Llama, Qwen2 and Mistral-style models; vLLM supports these)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input in training. Not 0 makes the learner's log-probs differ
+    from the generator's (which runs without it)."""
+
+
 Role = Literal["actor", "critic", "reference"]
 
 
@@ -137,6 +157,11 @@ class LearnerConfig(StrictModel):
     MiB. Full-vocabulary logits for a whole micro-batch never exist."""
     bucket_mb: float = Field(64.0, gt=0, le=4096)
     """Weight push bucket size in MiB: tensors are packed into buckets this large per broadcast."""
+    lora: LoraConfig | None = None
+    """Train a LoRA adapter instead of every weight (actor only). The KL term's reference is
+    then the same model with the adapter switched off (no second copy). Pushes, checkpoints and
+    ``ExportModel(adapter=true)`` carry the adapter alone; ``ExportModel`` otherwise writes the
+    merged model. The generators need ``engine.max_lora_rank`` at least ``rank``."""
     loss: LossConfig = Field(default_factory=LossConfig)
     """The policy loss."""
     optim: OptimConfig = Field(default_factory=OptimConfig)
@@ -176,4 +201,6 @@ class LearnerConfig(StrictModel):
         # load a second copy of the model for nothing.
         if self.role != "actor" and self.loss.kl_coef > 0:
             raise ValueError(f"loss.kl_coef: a {self.role} has no KL term; set it on the actor (or 0)")
+        if self.role != "actor" and self.lora is not None:
+            raise ValueError(f"lora: a {self.role} trains no adapter; set it on the actor")
         return self

@@ -167,11 +167,15 @@ class LearnerCore:
         self.control.send({"op": "load", "path": path, "tag": tag})
         return {**self.trainer.load(path, tag), "tag": tag}
 
-    def export(self, path: str, bucket_bytes: int) -> None:
+    def export(self, path: str, bucket_bytes: int, adapter: bool = False) -> None:
         self.require("actor", "reference", what="ExportModel (a critic is kept as checkpoints)")
+        if adapter and self.trainer.peft is None:
+            raise FailedPrecondition(
+                "ExportModel(adapter): this learner trains no LoRA adapter (learner.lora)"
+            )
         self._check("export", path, "")
-        self.control.send({"op": "export", "path": path, "bucket_bytes": bucket_bytes})
-        self.trainer.export(path, bucket_bytes)
+        self.control.send({"op": "export", "path": path, "bucket_bytes": bucket_bytes, "adapter": adapter})
+        self.trainer.export(path, bucket_bytes, adapter)
 
     def stop(self, timeout: float | None = None) -> None:
         """Release the other ranks from ``follow``; within ``timeout`` seconds when given (a
@@ -204,6 +208,6 @@ class LearnerCore:
             elif op == "load":
                 self.trainer.load(cmd["path"], cmd["tag"])
             elif op == "export":
-                self.trainer.export(cmd["path"], cmd["bucket_bytes"])
+                self.trainer.export(cmd["path"], cmd["bucket_bytes"], cmd.get("adapter", False))
             else:
                 raise RuntimeError(f"unknown learner command {op!r}")

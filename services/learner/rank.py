@@ -56,6 +56,7 @@ def exit_now(code: int, reason: str) -> None:
 
 async def serve(core, cfg: LearnerConfig, backend: str, port_file: str | None, heartbeat) -> None:
     from relayrl.common.grpc_server import announce_and_serve, create_server, start, start_metrics_server
+    from relayrl.learner import lora
     from relayrl.learner.servicer import LearnerServicer
     from relayrl.learner.sync import WeightSync
     from relayrl.learner.v1 import learner_pb2
@@ -72,6 +73,7 @@ async def serve(core, cfg: LearnerConfig, backend: str, port_file: str | None, h
         core.trainer.param_metas,
         cfg.security,
         transport=cfg.weight_sync_transport,
+        adapter=lora.spec(cfg.lora) if cfg.lora is not None else None,
     )
     servicer = LearnerServicer(
         core,

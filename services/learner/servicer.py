@@ -262,7 +262,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         t0 = time.monotonic()
 
         def export():
-            self.core.export(path, self.bucket_bytes)
+            self.core.export(path, self.bucket_bytes, request.adapter)
             return self.trainer.version
 
         version = await self._exclusive(export)

@@ -48,6 +48,7 @@ from relayrl.common.rpc import (
 )
 from relayrl.common.security import client_channel
 from relayrl.common.serving import ClientSecurity
+from relayrl.common.weightsync.adapters import AdapterSpec
 from relayrl.common.weightsync.plan import Bucket, TensorMeta, plan_buckets, plan_to_proto
 from relayrl.common.weightsync.transports import Place, choose
 from relayrl.generator.v1 import generator_pb2 as g
@@ -79,6 +80,7 @@ class WeightSync:
         metas: Callable[[str], list[TensorMeta]],
         security: ClientSecurity | None = None,
         transport: str = "auto",
+        adapter: AdapterSpec | None = None,
     ):
         self.host = host
         self.device = device  # the learner's: "cpu" or "cuda:<i>"
@@ -91,6 +93,7 @@ class WeightSync:
         self._metas = metas
         self.security = security  # how rank 0 reaches the generators (TLS, token)
         self.forced = transport
+        self.adapter = adapter  # LoRA: every push carries the adapter's tensors and this shape
         cuda = device.startswith("cuda")
         uuid = gpu_uuid(int(device.split(":")[1]) if ":" in device else 0) if cuda else ""
         self.place = Place(host_id(), "cuda" if cuda else "cpu", (uuid,) if uuid else ())
@@ -322,6 +325,9 @@ class WeightSync:
         base = g.UpdateWeightsRequest(
             version=version, plan=plan_to_proto(buckets), transport_only=transport_only
         )
+        if self.adapter is not None:
+            a = self.adapter
+            base.lora.CopyFrom(g.LoraAdapter(rank=a.rank, alpha=a.alpha, target_modules=a.target_modules))
         drain = g.UpdateWeightsRequest()
         drain.CopyFrom(base)
         drain.transport_only = True

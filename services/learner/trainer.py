@@ -24,8 +24,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from relayrl.common.memory import resident_mb, trim_heap
+from relayrl.common.weightsync.adapters import write_adapter
 from relayrl.common.weightsync.buckets import dtype_name, torch_dtype
 from relayrl.common.weightsync.plan import Bucket, TensorMeta, plan_buckets
+from relayrl.learner import lora
 from relayrl.learner.attention import ATTENTION, packable, register
 from relayrl.learner.batching import plan_step
 from relayrl.learner.config import LearnerConfig
@@ -147,16 +149,20 @@ class Trainer:
         else:
             inner = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=self.dtype)
             module = Policy(inner, rows)
+        # LoRA: adapter layers injected in place (the module tree Policy runs stays the same).
+        self.peft = lora.wrap(inner, cfg.lora) if cfg.lora is not None else None
         self.packed = self._packing(inner)
         if cfg.gradient_checkpointing and cfg.role != "reference":
             inner.gradient_checkpointing_enable()
+            if self.peft is not None:  # frozen embeddings: the checkpointed layers still need grads in
+                inner.enable_input_require_grads()
         if cfg.role == "reference":  # frozen: no optimizer, forward only
             self.engine, *_ = deepspeed.initialize(model=module, config=conf)
             self.engine.train(False)
             self.optimizer = self.scheduler = None
         else:
             opt = torch.optim.AdamW(
-                module.parameters(),
+                [p for p in module.parameters() if p.requires_grad],  # LoRA: the adapter alone
                 lr=cfg.optim.lr,
                 betas=cfg.optim.betas,
                 weight_decay=cfg.optim.weight_decay,
@@ -166,10 +172,16 @@ class Trainer:
                 model=module, optimizer=opt, lr_scheduler=sched, config=conf
             )
         # The module whose parameter names are pushed and exported: the HF model for a policy
-        # (names as in its checkpoint), the whole value model for a critic.
+        # (names as in its checkpoint), the whole value model for a critic; with LoRA, only the
+        # adapter's tensors are pushed, under PEFT's names.
         self.lm = module if cfg.role == "critic" else inner
+        self.pushed = (
+            lora.adapter_params(inner) if self.peft is not None else dict(self.lm.named_parameters())
+        )
         self.ref = None
-        if cfg.loss.kl_coef > 0:  # the actor's in-process reference (config: actors only)
+        # The actor's in-process reference (config: actors only); with LoRA, the same model with
+        # its adapter off (``_loss``).
+        if cfg.loss.kl_coef > 0 and self.peft is None:
             ref_model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=self.dtype)
             if self.packed:
                 ref_model.set_attn_implementation(ATTENTION)
@@ -238,6 +250,9 @@ class Trainer:
         if self.ref is not None:
             with torch.no_grad():
                 ref_logp, _ = self._per_token(self.ref, b, calls)
+        elif self.peft is not None and self.cfg.loss.kl_coef > 0:
+            with torch.no_grad(), lora.disabled(self.peft):
+                ref_logp, _ = self._per_token(self.engine, b, calls)
         loss, stats = policy_loss(LossInputs(out, b.behavior, b.adv, b.mask, ref_logp), self.cfg.loss, totals)
         return loss, entropy, stats
 
@@ -326,19 +341,21 @@ class Trainer:
         return [flat[offsets[i] : offsets[i + 1]].tolist() for i in range(len(samples))]
 
     # -- weights -------------------------------------------------------------------------
-    def param_metas(self, dtype: str) -> list[TensorMeta]:
-        """Checkpoint names and full shapes of every parameter, without gathering anything."""
-        return [
-            TensorMeta(n, dtype, tuple(getattr(p, "ds_shape", p.shape)))
-            for n, p in self.lm.named_parameters()
-        ]
+    def param_metas(self, dtype: str, params: dict | None = None) -> list[TensorMeta]:
+        """Names and full shapes of what a push sends (``params``: of those), without gathering
+        anything: every parameter under its checkpoint name, or with LoRA the adapter's."""
+        params = self.pushed if params is None else params
+        return [TensorMeta(n, dtype, tuple(getattr(p, "ds_shape", p.shape))) for n, p in params.items()]
 
-    def gathered_buckets(self, buckets: list[Bucket]) -> Iterator[list[torch.Tensor] | None]:
-        """Per bucket, all ranks gather its parameters; rank 0 gets the full tensors (in the
-        bucket's order, cast to the plan's dtype), other ranks get None."""
+    def gathered_buckets(
+        self, buckets: list[Bucket], params: dict | None = None
+    ) -> Iterator[list[torch.Tensor] | None]:
+        """Per bucket, all ranks gather its parameters (of ``pushed``, or ``params``); rank 0
+        gets the full tensors (in the bucket's order, cast to the plan's dtype), other ranks
+        get None."""
         import deepspeed
 
-        params = dict(self.lm.named_parameters())
+        params = self.pushed if params is None else params
         for b in buckets:
             group = [params[m.name] for m in b.tensors]
             with deepspeed.zero.GatheredParameters(group, modifier_rank=None):
@@ -347,18 +364,30 @@ class Trainer:
                 else:
                     yield None
 
-    def export(self, out: str | Path, bucket_bytes: int) -> None:
-        """Write the current policy as a Hugging Face folder (rank 0 writes; all ranks gather)."""
+    def export(self, out: str | Path, bucket_bytes: int, adapter: bool = False) -> None:
+        """Write the current policy as a Hugging Face folder (rank 0 writes; all ranks gather).
+        With LoRA: the merged model, or with ``adapter`` the adapter's own folder."""
         from safetensors.torch import save_file
 
-        buckets = plan_buckets(self.param_metas(dtype_name(self.dtype)), bucket_bytes)
+        params = self.pushed
+        if self.peft is not None and not adapter:  # merged: the base weights too
+            params = {**lora.base_params(self.lm), **self.pushed}
+        buckets = plan_buckets(self.param_metas(dtype_name(self.dtype), params), bucket_bytes)
         state: dict[str, torch.Tensor] = {}
-        for b, tensors in zip(buckets, self.gathered_buckets(buckets), strict=True):
+        for b, tensors in zip(buckets, self.gathered_buckets(buckets, params), strict=True):
             if tensors is not None:
                 state.update({m.name: t.cpu().clone() for m, t in zip(b.tensors, tensors, strict=True)})
         if self.rank != 0:
             return
         out = Path(out)
+        meta = json.dumps({"step": self.step, "policy_version": self.version}) + "\n"
+        if self.peft is not None:
+            s = lora.spec(self.cfg.lora)
+            if adapter:
+                write_adapter(out, s, state, base_model=self.cfg.model)
+                (out / "relayrl_export.json").write_text(meta)
+                return
+            state = lora.merged({n: state[n] for n in lora.base_params(self.lm)}, state, s)
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -369,9 +398,7 @@ class Trainer:
             ):
                 shutil.copy2(f, tmp / f.name)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "relayrl_export.json").write_text(
-            json.dumps({"step": self.step, "policy_version": self.version}) + "\n"
-        )
+        (tmp / "relayrl_export.json").write_text(meta)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
 
@@ -401,10 +428,13 @@ class Trainer:
             },
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         }
-        self.engine.save_checkpoint(path, tag=tag, client_state=state)
+        # LoRA: the frozen base is read from the model folder again, not saved with every step.
+        self.engine.save_checkpoint(
+            path, tag=tag, client_state=state, exclude_frozen_parameters=self.peft is not None
+        )
 
     def load(self, path: str, tag: str | None) -> dict:
-        load_path, client = self.engine.load_checkpoint(path, tag=tag)
+        load_path, client = self.engine.load_checkpoint(path, tag=tag, load_module_strict=self.peft is None)
         if load_path is None:
             raise FileNotFoundError(f"no checkpoint at {path} (tag {tag or 'latest'})")
         meta = client["relayrl"]

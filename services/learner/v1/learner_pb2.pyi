@@ -176,10 +176,12 @@ class LoadCheckpointResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., client_state_json: _Optional[str] = ..., tag: _Optional[str] = ...) -> None: ...
 
 class ExportModelRequest(_message.Message):
-    __slots__ = ("path",)
+    __slots__ = ("path", "adapter")
     PATH_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     path: str
-    def __init__(self, path: _Optional[str] = ...) -> None: ...
+    adapter: bool
+    def __init__(self, path: _Optional[str] = ..., adapter: _Optional[bool] = ...) -> None: ...
 
 class ExportModelResponse(_message.Message):
     __slots__ = ("path", "policy_version", "seconds")

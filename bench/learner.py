@@ -2,6 +2,7 @@
 
     python bench/learner.py [--sizes tiny,10m] [--steps 4] [--stages 3]       # CPU
     python bench/learner.py --sizes 0.5b,1.5b --steps 4 --stages 3,2          # a CUDA machine
+    python bench/learner.py --skewed 10m-skewed                               # packed vs padded
 
 relayrl: a learner service (world size 1, ZeRO stage as given) answering ``TrainStep`` over gRPC,
 timed end to end by the caller (decode, micro-batches, chunked log-probs, GRPO loss, backward,
@@ -11,8 +12,14 @@ logits, as a user's own training loop would. Both: random-init weights of the na
 float32 on CPU and bfloat16 on CUDA, medians of ``--steps`` steps after one warm-up step, in one
 run. Peak memory: the CUDA allocator's peak during a step, or on CPU the process's peak RSS. MFU
 (CUDA): 6 x parameters x tokens per second over the GPU's dense bf16 peak. The learner's
-SaveCheckpoint and LoadCheckpoint are timed too. Last line: ``learner_vs_torch_ratio: X``, the
-step-time ratio of the largest model run (target <= 1.25, and peak memory no higher).
+SaveCheckpoint and LoadCheckpoint are timed too. ``learner_vs_torch_ratio: X`` is the step-time
+ratio of the largest model run (target <= 1.25, and peak memory no higher).
+
+Packed against padded micro-batches (``learner.packing``): the ``--skewed`` workload (completion
+lengths drawn from a long-tailed mix, as RL completions are: most short, a few near the limit) runs
+through the learner with ``packing: on`` and ``off`` at the same token budget, plain PyTorch
+(padded, as a user's loop pads) beside them. Last line: ``packed_vs_padded_ratio: X`` (step time,
+target <= 0.8 on CPU).
 """
 
 from __future__ import annotations
@@ -40,6 +47,11 @@ SHAPES = {
                  intermediate_size=1024, vocab_size=512), 16, 32, 96, 1024),
     "10m-v32k": (dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,
                       intermediate_size=1024, vocab_size=32768), 16, 32, 96, 1024),
+    # The 10m model on a long-tailed mix of completion lengths (``lengths``): packed vs padded.
+    "10m-skewed": (dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,
+                        intermediate_size=1024, vocab_size=512), 32, 32, "skewed:16:480", 2048),
+    "0.5b-skewed": (dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, vocab_size=151936), 64, 128, "skewed:20:1024", 16384),
     # Qwen2.5-0.5B and 1.5B shapes (tied embeddings, vocab 151936): GPU sizes
     "0.5b": (dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                   intermediate_size=4864, vocab_size=151936), 64, 128, 384, 16384),
@@ -60,6 +72,16 @@ def make_model(name: str, out: Path) -> Path:
     return out
 
 
+def lengths(spec: int | str, n: int, rng) -> list[int]:
+    """Completion lengths: all ``spec`` tokens, or ``skewed:LO:HI``, a long-tailed mix (log-uniform
+    between LO and HI: as many completions under 2 x LO as between HI / 2 and HI)."""
+    if isinstance(spec, int):
+        return [spec] * n
+    _, lo, hi = spec.split(":")
+    lo, hi = int(lo), int(hi)
+    return [int(round(lo * (hi / lo) ** rng.random())) for _ in range(n)]
+
+
 def samples(name: str, seed: int):
     import random
 
@@ -71,11 +93,11 @@ def samples(name: str, seed: int):
     return [
         lp.TrainSample(
             prompt_token_ids=[rng.randrange(vocab) for _ in range(prompt)],
-            completion_token_ids=[rng.randrange(vocab) for _ in range(completion)],
-            generator_logprobs=[-rng.uniform(1.0, 6.0) for _ in range(completion)],
+            completion_token_ids=[rng.randrange(vocab) for _ in range(c)],
+            generator_logprobs=[-rng.uniform(1.0, 6.0) for _ in range(c)],
             advantage=rng.choice((-1.0, 1.0)) * rng.uniform(0.5, 1.5),
         )
-        for _ in range(n)
+        for c in lengths(completion, n, random.Random(seed + 1000))
     ]
 
 
@@ -93,7 +115,9 @@ def n_params(model_dir: Path) -> int:
     return total
 
 
-def run_relayrl(name: str, model: Path, dtype: str, stage: int, steps: int, tmp: Path) -> dict:
+def run_relayrl(
+    name: str, model: Path, dtype: str, stage: int, steps: int, tmp: Path, packing: str = "auto"
+) -> dict:
     import grpc
     from relayrl.learner.v1 import learner_pb2 as lp
     from relayrl.learner.v1 import learner_pb2_grpc as lg
@@ -102,7 +126,8 @@ def run_relayrl(name: str, model: Path, dtype: str, stage: int, steps: int, tmp:
 
     micro = SHAPES[name][4]
     args = ["learner", "--model", str(model), "--world-size", "1", "--dtype", dtype, "--lr", "1e-5",
-            "--checkpoint-dir", str(tmp), "--set", f"micro_batch_tokens={micro}", "--set", f"zero_stage={stage}"]  # fmt: skip
+            "--checkpoint-dir", str(tmp), "--set", f"micro_batch_tokens={micro}", "--set", f"zero_stage={stage}",
+            "--set", f"packing={packing}"]  # fmt: skip
     with service(args, tmp, timeout=900) as (addr, _):
         stub = lg.LearnerServiceStub(
             grpc.insecure_channel(addr, options=[("grpc.max_send_message_length", 1 << 30)])
@@ -170,15 +195,26 @@ def torch_worker(name: str, model_dir: str, dtype: str, steps: int) -> None:
         totals = Totals(tokens=sum(len(s.completion_token_ids) for s in batch), sequences=len(batch))
         for mb in plan_step(lengths, 1, micro)[0]:
             rows = [batch[i] for i in mb]
-            ids = torch.tensor(
-                [list(s.prompt_token_ids) + list(s.completion_token_ids) for s in rows], device=dev
-            )
-            width = len(rows[0].completion_token_ids)
-            logits = model(input_ids=ids).logits[:, -width - 1 : -1].float()
-            logp = torch.log_softmax(logits, -1).gather(-1, ids[:, -width:, None])[..., 0]
-            beh = torch.tensor([list(s.generator_logprobs) for s in rows], device=dev)
+            # Right-padded rows (causal attention: no real token sees a pad), full-vocabulary
+            # logits at the positions that predict each completion token.
+            width = max(len(s.completion_token_ids) for s in rows)
+            total = max(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in rows)
+            ids = torch.zeros(len(rows), total, dtype=torch.long)
+            targets = torch.zeros(len(rows), width, dtype=torch.long)
+            beh, mask = torch.zeros(2, len(rows), width)
+            for r, s in enumerate(rows):
+                p, c = len(s.prompt_token_ids), len(s.completion_token_ids)
+                ids[r, : p + c] = torch.tensor(list(s.prompt_token_ids) + list(s.completion_token_ids))
+                targets[r, :c], mask[r, :c] = ids[r, p : p + c], 1.0
+                beh[r, :c] = torch.tensor(list(s.generator_logprobs))
+            ids, targets, beh, mask = ids.to(dev), targets.to(dev), beh.to(dev), mask.to(dev)
+            starts = torch.tensor([len(s.prompt_token_ids) for s in rows], device=dev)
+            at = (starts[:, None] + torch.arange(width, device=dev)[None] - 1).clamp(max=total - 1)
+            logits = model(input_ids=ids).logits
+            logits = logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])).float()
+            logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
             adv = torch.tensor([s.advantage for s in rows], device=dev)
-            loss, _ = policy_loss(LossInputs(logp, beh, adv, torch.ones_like(beh)), cfg, totals)
+            loss, _ = policy_loss(LossInputs(logp, beh, adv, mask), cfg, totals)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -203,26 +239,50 @@ def main() -> None:
     ap.add_argument("--sizes", default="0.5b,1.5b" if cuda else "tiny,10m")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--stages", default="3", help="ZeRO stages to run relayrl with, e.g. 3,2")
+    ap.add_argument(
+        "--skewed",
+        default="0.5b-skewed" if cuda else "10m-skewed",
+        help="long-tailed workload(s) run packed and padded ('' for none)",
+    )
     args = ap.parse_args()
     dtype = "bfloat16" if cuda else "float32"
     device = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device), None) if cuda else None
-    rows, ratio = [], None
+    rows, ratio, packed_ratio = [], None, None
+    stages = [int(s) for s in args.stages.split(",")]
+
+    def row(name: str, params: int, who: str, res: dict, base: dict, tokens: int) -> None:
+        tps = tokens / res["step_s"]
+        mfu = f"{6 * params * tps / (peak * 1e12):.0%}" if peak else "-"
+        rows.append([name, f"{params / 1e6:.1f}M", who, f"{res['step_s']:.3f}", f"{tps:,.0f}",
+                     f"{res['peak_mb']:,.0f}", mfu, f"{res['step_s'] / base['step_s']:.2f}",
+                     f"{res['save_s']:.2f}" if "save_s" in res else "-",
+                     f"{res['load_s']:.2f}" if "load_s" in res else "-"])  # fmt: skip
+
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.sizes.split(","):
+        for name in [n for n in args.sizes.split(",") if n]:
             model = make_model(name, Path(tmp) / name)
             params = n_params(model)
             base = run_torch(name, model, dtype, args.steps)
-            for stage in [int(s) for s in args.stages.split(",")]:
+            for stage in stages:
                 r = run_relayrl(name, model, dtype, stage, args.steps, Path(tmp) / f"{name}-z{stage}")
                 ratio = r["step_s"] / base["step_s"]
-                for who, res in ((f"relayrl (ZeRO-{stage})", r), ("plain PyTorch", base)):
-                    tps = r["tokens"] / res["step_s"]
-                    mfu = f"{6 * params * tps / (peak * 1e12):.0%}" if peak else "-"
-                    rows.append([name, f"{params / 1e6:.1f}M", who, f"{res['step_s']:.3f}", f"{tps:,.0f}",
-                                 f"{res['peak_mb']:,.0f}", mfu, f"{res['step_s'] / base['step_s']:.2f}",
-                                 f"{res.get('save_s', 0):.2f}" if "save_s" in res else "-",
-                                 f"{res.get('load_s', 0):.2f}" if "load_s" in res else "-"])  # fmt: skip
+                row(name, params, f"relayrl (ZeRO-{stage})", r, base, r["tokens"])
+            row(name, params, "plain PyTorch", base, base, r["tokens"])
+        for name in [n for n in args.skewed.split(",") if n]:
+            model = make_model(name, Path(tmp) / name)
+            params = n_params(model)
+            base = run_torch(name, model, dtype, args.steps)
+            got = {
+                mode: run_relayrl(
+                    name, model, dtype, stages[0], args.steps, Path(tmp) / f"{name}-{mode}", mode
+                )
+                for mode in ("on", "off")
+            }
+            for mode, who in (("on", "packed"), ("off", "padded")):
+                row(name, params, f"relayrl {who} (ZeRO-{stages[0]})", got[mode], base, got[mode]["tokens"])
+            row(name, params, "plain PyTorch (padded)", base, base, got["on"]["tokens"])
+            packed_ratio = got["on"]["step_s"] / got["off"]["step_s"]
     print_table(
         [
             "model",
@@ -239,7 +299,10 @@ def main() -> None:
         rows,
         title=f"TrainStep, {dtype}, world size 1, medians of {args.steps} steps, on {device}",
     )
-    print(f"learner_vs_torch_ratio: {ratio:.3f}")
+    if ratio is not None:
+        print(f"learner_vs_torch_ratio: {ratio:.3f}")
+    if packed_ratio is not None:
+        print(f"packed_vs_padded_ratio: {packed_ratio:.3f}")
 
 
 if __name__ == "__main__":

@@ -91,6 +91,11 @@ class OptimConfig(StrictModel):
     """Clip the global gradient norm to this."""
 
 
+ONE_RANK_STAGE = 2
+"""ZeRO stage of a one-rank learner when ``zero_stage`` is unset (``bench/learner.py``: at world
+size 1 ZeRO-3 only adds gathers and hooks; stage 2 keeps the optimizer's flat fp32 state)."""
+
+
 class LoraConfig(StrictModel):
     """A LoRA adapter trained over frozen base weights (PEFT): only the adapter's tensors train,
     are checkpointed and are pushed to the generators (vLLM loads them through its LoRA API)."""
@@ -131,10 +136,20 @@ class LearnerConfig(StrictModel):
     """Path of a Hugging Face model folder to train. Required to serve."""
     world_size: int = Field(1, ge=1, le=4096)
     """ZeRO-3 ranks (processes), over one or several nodes."""
-    zero_stage: Literal[1, 2, 3] = 3
+    zero_stage: Literal[1, 2, 3] | None = None
     """DeepSpeed ZeRO stage: 3 partitions weights, gradients and optimizer state over the ranks
-    (the default: what lets a model larger than one device train); 2 and 1 keep every weight whole
-    on every rank and partition less, faster where it fits (``bench/learner.py`` compares them)."""
+    (what lets a model larger than one device train); 2 and 1 keep every weight whole on every
+    rank and partition less, faster where it fits. None: 3 with several ranks, ``ONE_RANK_STAGE``
+    with one (nothing to partition across: ZeRO-3's gathers only cost; ``bench/learner.py``
+    measures it). A frozen model (the reference role, the in-process reference) runs as ZeRO-3
+    with several ranks and whole with one."""
+    param_persistence_threshold: int | None = Field(None, ge=0)
+    """ZeRO-3: a parameter with fewer elements stays whole on every rank instead of being gathered
+    at each use (norms, biases: many small collectives). None: 10 x the hidden size (Hugging
+    Face's "auto"); 0 partitions every parameter."""
+    overlap_comm: bool | None = None
+    """Overlap ZeRO's gradient reductions and parameter gathers with compute. None: on with CUDA
+    (NCCL runs on streams of its own), off on CPU (gloo has none to overlap with)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Training dtype; bfloat16 on GPUs, float32 on CPU."""
     micro_batch_tokens: int = Field(4096, ge=16)
@@ -151,6 +166,11 @@ class LearnerConfig(StrictModel):
     layers), padded otherwise; on: packed, or refuse to start; off: padded."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
+    head_calls: Literal["per_micro_batch", "per_step"] = "per_step"
+    """How many times the LM head runs per micro-batch (a chunk of rows at a time, and again in
+    backward): as many as each micro-batch needs (the most any rank needs for it, as ZeRO-3's
+    gathers require), or the step's most for every micro-batch, so each repeats the same module
+    order and ZeRO-3's prefetcher, which replays the order it recorded, stays valid."""
     logits_chunk_mib: float = Field(512.0, gt=0, le=1 << 20)
     """Log-probs are computed from the last hidden states a chunk of tokens at a time, the LM head
     applied inside the chunk (and again in backward): this bounds one chunk's float32 logits, in

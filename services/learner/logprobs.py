@@ -38,14 +38,20 @@ def completion_hidden(hidden: torch.Tensor, starts: list[int], width: int) -> to
     return hidden.gather(1, idx[:, :, None].expand(b, width, h))
 
 
-def _chunk(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
+def _chunk(
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: list
+) -> torch.Tensor:
+    """The chunk's target log-probs; its entropies go into ``entropy`` the first time only: when
+    backward recomputes the chunk (activation checkpointing calls this again with the same
+    arguments) they would be computed over the whole vocabulary once more and thrown away."""
     logits = head(hidden)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     logp = torch.log_softmax(logits, dim=-1)
     picked = logp.gather(-1, targets[:, None])[:, 0]
-    with torch.no_grad():
-        entropy = -(logp.exp() * logp).sum(-1)
-    return picked, entropy
+    if not entropy:
+        with torch.no_grad():
+            entropy.append(-(logp.exp() * logp).sum(-1))
+    return picked
 
 
 def chunk_rows(vocab_size: int, chunk_mib: float) -> int:
@@ -98,9 +104,9 @@ def token_logprobs(
     picked, entropy = [], []
     for c in range(calls):
         lo, hi = min(c * size, n), min((c + 1) * size, n)
-        args = (head, flat_h[lo:hi], flat_t[lo:hi], temperature)
+        ent: list[torch.Tensor] = []
+        args = (head, flat_h[lo:hi], flat_t[lo:hi], temperature, ent)
         # Recompute the chunk's logits in backward instead of keeping them: that is the point.
-        lp, ent = checkpoint(_chunk, *args, use_reentrant=False) if recompute else _chunk(*args)
-        picked.append(lp)
-        entropy.append(ent)
+        picked.append(checkpoint(_chunk, *args, use_reentrant=False) if recompute else _chunk(*args))
+        entropy.append(ent[0])
     return torch.cat(picked).reshape(b, t), torch.cat(entropy).reshape(b, t)

@@ -30,7 +30,7 @@ from relayrl.common.weightsync.plan import Bucket, TensorMeta, plan_buckets
 from relayrl.learner import lora
 from relayrl.learner.attention import ATTENTION, packable, register
 from relayrl.learner.batching import plan_step
-from relayrl.learner.config import LearnerConfig
+from relayrl.learner.config import ONE_RANK_STAGE, LearnerConfig
 from relayrl.learner.logprobs import chunk_rows, head_calls
 from relayrl.learner.losses import LossInputs, Totals, policy_loss, policy_sums, value_loss
 from relayrl.learner.models import Policy, ValueModel
@@ -78,21 +78,35 @@ def token_means(sums: dict[str, float], tokens: float) -> dict[str, float]:
     return out
 
 
-def ds_config(cfg: LearnerConfig, hidden_size: int) -> dict:
+def zero_stage(cfg: LearnerConfig, frozen: bool = False) -> int:
+    """The ZeRO stage a model of this learner runs at (``zero_stage``; see its docstring).
+    ``frozen``: a model without an optimizer (ZeRO-1 and 2 partition optimizer state only).
+
+    >>> zero_stage(LearnerConfig(world_size=2)), zero_stage(LearnerConfig()), zero_stage(LearnerConfig(), True)
+    (3, 2, 0)
+    """
+    if cfg.world_size > 1:
+        return 3 if frozen else (cfg.zero_stage or 3)
+    if frozen:
+        return 0
+    return cfg.zero_stage or ONE_RANK_STAGE
+
+
+def ds_config(cfg: LearnerConfig, hidden_size: int, stage: int, cuda: bool) -> dict:
     # Communication buckets sized to the model, as the HF integration's "auto" does: DeepSpeed's
     # defaults (5e8 elements for reduction) are sized for billions of parameters and hold memory
     # a smaller model never needs.
     bucket = hidden_size * hidden_size
+    persist = cfg.param_persistence_threshold
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,  # accumulation is driven by hand (see train_step)
         "gradient_clipping": cfg.optim.grad_clip,
         "zero_optimization": {
-            "stage": cfg.zero_stage,
-            # Partition every parameter, however small: the default keeps tiny ones whole.
-            "stage3_param_persistence_threshold": 0,
+            "stage": stage,
+            "stage3_param_persistence_threshold": 10 * hidden_size if persist is None else persist,
             "stage3_gather_16bit_weights_on_model_save": True,
-            "overlap_comm": False,
+            "overlap_comm": cuda if cfg.overlap_comm is None else cfg.overlap_comm,
             "reduce_bucket_size": bucket,
             "allgather_bucket_size": bucket,
             "stage3_prefetch_bucket_size": int(0.9 * bucket),
@@ -137,9 +151,12 @@ class Trainer:
             else torch.device("cpu")
         )
         self.dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-        conf = ds_config(cfg, AutoConfig.from_pretrained(cfg.model).hidden_size)
-        self._hf_ds = HfDeepSpeedConfig(conf)  # must stay alive: makes from_pretrained partition (zero.Init)
         self.model_config = AutoConfig.from_pretrained(cfg.model)
+        hidden, cuda = self.model_config.hidden_size, self.device.type == "cuda"
+        conf = ds_config(cfg, hidden, zero_stage(cfg, frozen=cfg.role == "reference"), cuda)
+        self.stage = conf["zero_optimization"]["stage"]
+        # Must stay alive while models load: makes from_pretrained partition them (zero.Init) at ZeRO-3.
+        self._hf_ds = HfDeepSpeedConfig(conf)
         rows = self.rows_per_chunk = chunk_rows(self.model_config.vocab_size, cfg.logits_chunk_mib)
         self.role = cfg.role
         if cfg.role == "critic":  # the backbone alone: no LM head, nor its optimizer state
@@ -182,10 +199,12 @@ class Trainer:
         # The actor's in-process reference (config: actors only); with LoRA, the same model with
         # its adapter off (``_loss``).
         if cfg.loss.kl_coef > 0 and self.peft is None:
+            ref_conf = ds_config(cfg, hidden, zero_stage(cfg, frozen=True), cuda)
+            self._hf_ds = HfDeepSpeedConfig(ref_conf)
             ref_model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=self.dtype)
             if self.packed:
                 ref_model.set_attn_implementation(ATTENTION)
-            self.ref, *_ = deepspeed.initialize(model=Policy(ref_model, rows), config=conf)
+            self.ref, *_ = deepspeed.initialize(model=Policy(ref_model, rows), config=ref_conf)
             self.ref.train(False)  # frozen reference: inference mode
         self.step = 0
         self.version = 0
@@ -225,6 +244,8 @@ class Trainer:
         calls = [
             max(head_calls(rows(p[k]), self.rows_per_chunk) for p in plans) for k in range(len(plans[0]))
         ]
+        if self.cfg.head_calls == "per_step":
+            calls = [max(calls)] * len(calls)
         return list(zip(plans[self.rank], calls, strict=True))
 
     def _per_token(self, engine, b: Batch, calls: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -9,7 +9,9 @@ from relayrl.learner.rank import init_distributed
 from relayrl.learner.trainer import Trainer
 
 init_distributed()
-trainer = Trainer(LearnerConfig(model=sys.argv[1], world_size=dist.get_world_size()))
+trainer = Trainer(
+    LearnerConfig(model=sys.argv[1], world_size=dist.get_world_size(), param_persistence_threshold=0)
+)
 world = dist.get_world_size()
 for name, p in trainer.engine.module.named_parameters():
     assert p.numel() == 0, f"{name} is materialised outside a gather: {tuple(p.shape)}"

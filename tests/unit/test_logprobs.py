@@ -186,3 +186,30 @@ def test_no_tensor_of_a_micro_batchs_logits_is_ever_made():
     biggest_weight = max(p.numel() for p in lm.parameters())
     assert seen.largest <= max(chunk, biggest_weight), seen.largest
     assert seen.largest < ids.shape[0] * width * VOCAB  # what the full logits of the completions took
+
+
+class _Exps(TorchDispatchMode):
+    """Counts the exponentials taken (the entropy's ``logp.exp()``; log_softmax uses none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.exps = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.exps += func is torch.ops.aten.exp.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_backward_recomputes_the_logits_but_not_the_entropy():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 6, 7, generator=g, requires_grad=True)
+    targets = torch.randint(0, 7, (2, 6), generator=g)
+    head = CountingHead()
+    with _Exps() as count:
+        picked, entropy = token_logprobs(head, hidden, targets, 1.0, rows_per_chunk=4, calls=3)
+        forward_exps = count.exps
+        picked.sum().backward()
+    assert head.calls == 6  # 3 chunks, each recomputed once in backward
+    assert forward_exps == 3 and count.exps == 3  # the entropy: once per chunk, in forward only
+    want = -(torch.log_softmax(hidden.detach(), -1).exp() * torch.log_softmax(hidden.detach(), -1)).sum(-1)
+    assert torch.allclose(entropy, want, atol=1e-6)

@@ -116,7 +116,14 @@ def n_params(model_dir: Path) -> int:
 
 
 def run_relayrl(
-    name: str, model: Path, dtype: str, stage: int, steps: int, tmp: Path, packing: str = "auto"
+    name: str,
+    model: Path,
+    dtype: str,
+    stage: int,
+    steps: int,
+    tmp: Path,
+    packing: str = "auto",
+    extra: tuple[str, ...] = (),
 ) -> dict:
     import grpc
     from relayrl.learner.v1 import learner_pb2 as lp
@@ -127,7 +134,7 @@ def run_relayrl(
     micro = SHAPES[name][4]
     args = ["learner", "--model", str(model), "--world-size", "1", "--dtype", dtype, "--lr", "1e-5",
             "--checkpoint-dir", str(tmp), "--set", f"micro_batch_tokens={micro}", "--set", f"zero_stage={stage}",
-            "--set", f"packing={packing}"]  # fmt: skip
+            "--set", f"packing={packing}", *(a for kv in extra for a in ("--set", kv))]  # fmt: skip
     with service(args, tmp, timeout=900) as (addr, _):
         stub = lg.LearnerServiceStub(
             grpc.insecure_channel(addr, options=[("grpc.max_send_message_length", 1 << 30)])
@@ -240,6 +247,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--stages", default="3", help="ZeRO stages to run relayrl with, e.g. 3,2")
     ap.add_argument(
+        "--variants",
+        default="",
+        help="extra relayrl rows on each size: NAME:KEY=VALUE[,KEY=VALUE...] separated by ';', e.g. "
+        "'ckpt:gradient_checkpointing=true;persist0:param_persistence_threshold=0'",
+    )
+    ap.add_argument(
         "--skewed",
         default="0.5b-skewed" if cuda else "10m-skewed",
         help="long-tailed workload(s) run packed and padded ('' for none)",
@@ -268,6 +281,11 @@ def main() -> None:
                 r = run_relayrl(name, model, dtype, stage, args.steps, Path(tmp) / f"{name}-z{stage}")
                 ratio = r["step_s"] / base["step_s"]
                 row(name, params, f"relayrl (ZeRO-{stage})", r, base, r["tokens"])
+            for variant in [v for v in args.variants.split(";") if v]:
+                label, _, sets = variant.partition(":")
+                v = run_relayrl(name, model, dtype, stages[0], args.steps, Path(tmp) / f"{name}-{label}",
+                                extra=tuple(sets.split(",")))  # fmt: skip
+                row(name, params, f"relayrl (ZeRO-{stages[0]}) {label}", v, base, v["tokens"])
             row(name, params, "plain PyTorch", base, base, r["tokens"])
         for name in [n for n in args.skewed.split(",") if n]:
             model = make_model(name, Path(tmp) / name)

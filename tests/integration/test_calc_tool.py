@@ -23,12 +23,17 @@ pytestmark = [pytest.mark.long, pytest.mark.timeout(3600)]  # ~10-15 min alone o
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("task", ["calc", "pyexec"])
+@pytest.mark.parametrize("task", ["calc", "pyexec", "calc-lora"])
 def test_a_tiny_model_learns_to_call_the_tool(tmp_path, task):
+    """``calc-lora``: the calc run training a LoRA adapter (issue 32): it must learn as well."""
+    task, _, variant = task.partition("-")
     pytest.importorskip("vllm")
     pytest.importorskip("deepspeed")
     if task == "pyexec" and shutil.which("bwrap") is None:
         pytest.skip("bubblewrap not installed (scripts/install.sh)")
+    if variant:
+        pytest.importorskip("peft")
+    example = f"{task}-tool-tiny" + (f"-{variant}" if variant else "")
     sets = {
         "model.path": tmp_path / "models" / f"tiny-{task}",
         "runs_dir": tmp_path / "runs",
@@ -42,7 +47,7 @@ def test_a_tiny_model_learns_to_call_the_tool(tmp_path, task):
             "-m",
             "relayrl.cli",
             "run",
-            str(REPO / "examples" / f"{task}-tool-tiny.yaml"),
+            str(REPO / "examples" / f"{example}.yaml"),
             *args,
         ],
         cwd=tmp_path,
@@ -54,7 +59,7 @@ def test_a_tiny_model_learns_to_call_the_tool(tmp_path, task):
 
     card = json.loads((tmp_path / "models" / f"tiny-{task}" / "relayrl_model.json").read_text())
     assert card["sft_task"] == task and card["tool_tokens"]
-    run_dir = next((tmp_path / "runs").glob(f"{task}-tool-tiny-*"))
+    run_dir = next((tmp_path / "runs").glob(f"{example}-2*"))
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "tool_calls_per_episode" in r]
     evals = [(r["step"], r["eval_accuracy"]) for r in recs if "eval_accuracy" in r]

@@ -140,6 +140,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         if name == "learner":
             for flag, (typ, helptext) in _LAUNCH.items():
                 s.add_argument(flag, type=typ, help=helptext)
+            s.add_argument(
+                "--rank-from-slurm",
+                action="store_true",
+                help="this process is one rank, started by srun (one task per rank): its rank from "
+                "SLURM_PROCID, SLURM_LOCALID and SLURM_NTASKS, no torchrun; --master-addr and "
+                "--master-port name rank 0's rendezvous",
+            )
         s.set_defaults(func=run, _flags={**_COMMON, **flags})
 
 
@@ -221,14 +228,48 @@ def check_access(service: str, serve) -> None:
         raise SystemExit(f"relayrl serve {service}: {e}") from None
 
 
+def slurm_rank_env(config, args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
+    """torch.distributed's variables for one rank srun started (``--rank-from-slurm``).
+
+    >>> a = argparse.Namespace(master_addr="n1", master_port=29500)
+    >>> slurm_rank_env(argparse.Namespace(world_size=2), a, {"SLURM_PROCID": "1", "SLURM_LOCALID": "0",
+    ...                "SLURM_NTASKS": "2"})["RANK"]
+    '1'
+    """
+    missing = [v for v in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS") if v not in env]
+    if missing:
+        raise SystemExit(f"learner --rank-from-slurm: {', '.join(missing)} unset: start it with srun")
+    if int(env["SLURM_NTASKS"]) != config.world_size:
+        raise SystemExit(
+            f"learner: srun started {env['SLURM_NTASKS']} tasks for world_size {config.world_size}"
+        )
+    if not args.master_addr or not args.master_port:
+        raise SystemExit("learner --rank-from-slurm: --master-addr and --master-port are required")
+    return {
+        "RANK": env["SLURM_PROCID"],
+        "LOCAL_RANK": env["SLURM_LOCALID"],
+        "WORLD_SIZE": env["SLURM_NTASKS"],
+        "MASTER_ADDR": args.master_addr,
+        "MASTER_PORT": str(args.master_port),
+    }
+
+
 def launch_learner(config, args: argparse.Namespace) -> int:
-    """Exec torchrun with one process per local rank (``relayrl.learner.rank``)."""
+    """Exec torchrun with one process per local rank (``relayrl.learner.rank``), or with
+    ``--rank-from-slurm`` this process as one rank srun started."""
     import socket
     import sys
     import tempfile
 
     if not config.model:
         raise SystemExit("learner: model (--model) is required")
+    if getattr(args, "rank_from_slurm", False):
+        os.environ.update(slurm_rank_env(config, args, dict(os.environ)))
+        fd, path = tempfile.mkstemp(prefix="relayrl-learner-", suffix=".yaml")
+        with os.fdopen(fd, "w") as f:
+            f.write(cfg.dump_yaml(config))
+        port_file = ["--port-file", args.port_file] if args.port_file else []
+        os.execv(sys.executable, [sys.executable, "-m", "relayrl.learner.rank", "--config", path, *port_file])
     nnodes = args.nnodes or 1
     if config.world_size % nnodes:
         raise SystemExit(f"learner: world_size {config.world_size} is not a multiple of --nnodes {nnodes}")

@@ -47,6 +47,8 @@ class ServerHandle:
     health: health.aio.HealthServicer
     service_name: str
     on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    linger: float = 0.0
+    """Seconds it goes on serving after a first SIGTERM (``ServeConfig.term_linger_seconds``)."""
 
     async def set_ready(self, ready: bool) -> None:
         """Readiness of the named service (liveness stays SERVING until shutdown)."""
@@ -125,7 +127,13 @@ def create_server(
         bound = server.add_secure_port(address, credentials)
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {address}")
-    return ServerHandle(server=server, port=bound, health=health_servicer, service_name=service_full_name)
+    return ServerHandle(
+        server=server,
+        port=bound,
+        health=health_servicer,
+        service_name=service_full_name,
+        linger=serve.term_linger_seconds,
+    )
 
 
 async def start(handle: ServerHandle, ready: bool) -> None:
@@ -155,11 +163,21 @@ async def serve_forever(
     died = asyncio.ensure_future(fatal if fatal is not None else asyncio.Event().wait())
     # wait: the server's lifetime: SIGTERM/SIGINT, the server's termination or ``fatal`` ends it
     await asyncio.wait({waiter, signalled, died}, return_when=asyncio.FIRST_COMPLETED)
+    requested = signalled.done()
+    if requested and handle.linger > 0 and not (waiter.done() or died.done()):
+        logger.info(
+            "signalled: serving %.0fs more (serve.term_linger_seconds; again to stop now)", handle.linger
+        )
+        stop.clear()
+        again = asyncio.ensure_future(stop.wait())
+        # wait: at most the linger; a second signal, the server's end or the engine's cut it short
+        await asyncio.wait({waiter, again, died}, timeout=handle.linger, return_when=asyncio.FIRST_COMPLETED)
+        again.cancel()
     reason = None
     if died.done() and not died.cancelled():
         failed = died.exception()  # always read, so asyncio has nothing left to report
         reason = f"the engine monitor failed: {failed!r}" if failed is not None else died.result()
-    if signalled.done():  # a requested stop wins: a SIGTERM to the group also ends an engine's processes
+    if requested:  # a requested stop wins: a SIGTERM to the group also ends an engine's processes
         reason = None
     if reason:
         logger.error("%s; shutting down to be restarted", reason)

@@ -28,6 +28,12 @@ class ServeConfig(StrictModel):
     Plain HTTP without a token: read-only counters, meant for a scraper inside the cluster."""
     grace_seconds: float = Field(10.0, ge=0, le=3600)
     """On SIGTERM: seconds in-flight RPCs get to finish before they are cancelled."""
+    term_linger_seconds: float = Field(0.0, ge=0, le=3600)
+    """On a first SIGTERM, go on serving this long before shutting down (a second SIGTERM or
+    SIGINT, or the end of the time, stops it). For schedulers that signal every process of a job
+    at once (Slurm's ``scancel``): the coordinator, signalled too, still ends its step and gets
+    its checkpoint from the learner. Keep it under the scheduler's kill timeout (Slurm's
+    KillWait). 0: stop at the first signal."""
     max_message_mb: int = Field(256, ge=4, le=2048)
     """Largest gRPC message accepted or sent, in MiB (weight chunks and big batches need room)."""
     tls_cert: str | None = Field(None, min_length=1)

@@ -28,6 +28,15 @@ def add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     r.add_argument("--address", help="Ray cluster to join (the same as --set ray.address=...)")
     r.set_defaults(func=launch_ray, command="launch ray")
+    s = sub.add_parser(
+        "slurm",
+        help="services as steps of the Slurm job this runs in (deploy/slurm/relayrl.sbatch); a "
+        "requeued job resumes its run",
+    )
+    s.add_argument("experiment", nargs="?", help="experiment YAML (not needed with --resume)")
+    s.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="override a config field")
+    s.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    s.set_defaults(func=launch_slurm, command="launch slurm")
 
 
 def _experiment(args: argparse.Namespace, overrides: list[str]):
@@ -68,6 +77,14 @@ def launch_ray(args: argparse.Namespace) -> int:
     from relayrl.coordinator.ray.launch import launch
 
     launch(cfg, resume_dir=resume_dir)
+    return 0
+
+
+def launch_slurm(args: argparse.Namespace) -> int:
+    cfg, resume_dir = _experiment(args, args.set)
+    from relayrl.coordinator.slurm.launch import launch
+
+    launch(cfg, resume_dir=resume_dir)  # a requeued job resumes its own run
     return 0
 
 

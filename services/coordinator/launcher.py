@@ -30,11 +30,14 @@ class ServiceProcess:
         env: dict[str, str] | None = None,
         entry: list[str] | None = None,
         cwd: Path | None = None,
+        lifeline: bool = True,
     ):
         """``entry`` replaces ``relayrl serve`` as the program ``args`` go to (a learner rank that
         a Ray actor starts without torchrun: ``[python, -m, relayrl.learner.rank]``; a service
         started inside a network namespace: ``[ip, netns, exec, NS, python, -m, relayrl.cli,
-        serve]``). ``cwd``: the process's working folder (default: this one's)."""
+        serve]``; a Slurm job step: ``[srun, ..., python, -m, relayrl.cli, serve]``). ``cwd``: the
+        process's working folder (default: this one's). ``lifeline``: the service ends when this
+        process dies (off where something between them owns that: srun ends its step)."""
         self.name = name
         log_dir.mkdir(parents=True, exist_ok=True)
         self.port_file = log_dir / f"{name}.port"
@@ -50,9 +53,9 @@ class ServiceProcess:
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env={
-                **os.environ,
+                **{k: v for k, v in os.environ.items() if k != PARENT_ENV},
                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-                PARENT_ENV: str(os.getpid()),
+                **({PARENT_ENV: str(os.getpid())} if lifeline else {}),
                 **(env or {}),
             },
         )

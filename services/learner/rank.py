@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import socket
 
 from relayrl.common import config as cfg_mod
@@ -140,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     if dist.get_rank() == 0:
         asyncio.run(serve(core, cfg, backend, args.port_file, heartbeat))
     else:
+        if cfg.serve.term_linger_seconds > 0:
+            # Slurm signals every process of a job at once: rank 0 lingers to answer the last
+            # checkpoint, which needs this rank too. Rank 0's stop (or its silence) ends it.
+            signal.signal(signal.SIGTERM, lambda *_: logger.info("SIGTERM: this rank ends with rank 0"))
         try:
             core.follow()
         except Exception as e:  # rank 0 went away mid-command, or a collective failed

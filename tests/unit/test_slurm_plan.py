@@ -1,0 +1,127 @@
+"""``relayrl launch slurm`` without Slurm: where each service goes in an allocation, the ``srun``
+words of each step, the per-job access settings, the requeue marker; and ``serve.term_linger_seconds``
+on a real service (what lets the last checkpoint land after ``scancel``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from relayrl.coordinator.config import ExperimentConfig
+from relayrl.coordinator.slurm.launch import SlurmServices, marker, requeued_run
+from relayrl.coordinator.slurm.plan import Allocation, gpus, plan
+
+from tests.procs import service
+
+
+def _cfg(**sections) -> ExperimentConfig:
+    return ExperimentConfig.model_validate({"model": {"path": "m"}, "data": {"train": "t"}, **sections})
+
+
+def test_a_one_node_cpu_job_holds_everything_on_its_node():
+    cfg = _cfg(learner={"world_size": 2}, services={"generator_replicas": 2, "reward_replicas": 1})
+    p = plan(cfg, Allocation("5", ("n1",)))
+    assert {n: s.nodes for n, s in p.steps.items()} == {
+        "learner": ("n1",), "gen-0": ("n1",), "gen-1": ("n1",), "reward-0": ("n1",),
+    }  # fmt: skip
+    assert p.steps["learner"].tasks_per_node == 2 and not p.steps["learner"].gpus_per_task
+    words = p.steps["learner"].srun("relayrl-5")
+    assert words[:3] == ["srun", "--job-name=relayrl-5-learner", "--kill-on-bad-exit=1"]
+    assert "--overlap" in words and "--overcommit" in words and not any("gres" in w for w in words)
+
+
+def test_gpu_nodes_split_between_learner_ranks_and_generators():
+    cfg = _cfg(
+        learner={"world_size": 16},
+        services={"generator_replicas": 6, "reward_replicas": 2},
+        generator={"engine": {"tensor_parallel_size": 2}},
+        episodes={"env": "calc"},
+    )
+    p = plan(cfg, Allocation("9", ("a", "b", "c", "d"), gpus_per_node=8))
+    learner = p.steps["learner"]
+    assert learner.nodes == ("a", "b") and learner.tasks_per_node == 8 and learner.gpus_per_task == 1
+    assert [p.steps[f"gen-{i}"].nodes[0] for i in range(6)] == ["c", "c", "c", "c", "d", "d"]
+    gen = p.steps["gen-0"].srun("j")
+    assert "--exact" in gen and "--gres=gpu:2" in gen and "--overlap" not in gen  # GPUs of its own
+    assert p.steps["reward-1"].nodes == ("a",) and p.steps["env-0"].nodes == ("a",)  # no GPU taken
+    with pytest.raises(SystemExit, match="ranks need 3 nodes"):
+        plan(_cfg(learner={"world_size": 24}), Allocation("9", ("a", "b"), gpus_per_node=8))
+
+
+def test_the_allocation_is_read_from_slurms_variables():
+    env = {
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NODELIST": "n1,n2",
+        "SLURM_GPUS_ON_NODE": "4",
+        "SLURM_RESTART_COUNT": "1",
+    }
+    assert Allocation.from_env(env) == Allocation("42", ("n1", "n2"), 4, 1)
+    assert gpus({"SLURM_GPUS_PER_NODE": "a100:2"}) == 2
+    with pytest.raises(SystemExit, match="not inside a Slurm allocation"):
+        Allocation.from_env({})
+
+
+def _services(tmp_path, monkeypatch, nodes: str, secrets: str | None = None) -> SlurmServices:
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", nodes)
+    if secrets:
+        monkeypatch.setenv("RELAYRL_SLURM_SECRETS", secrets)
+    else:
+        monkeypatch.delenv("RELAYRL_SLURM_SECRETS", raising=False)
+    cfg = _cfg(runs_dir=str(tmp_path / "runs"))
+    return SlurmServices(cfg, tmp_path / "runs" / "r-1")
+
+
+def test_services_bind_loopback_on_one_node_and_tls_across_nodes(tmp_path, monkeypatch):
+    one = _services(tmp_path, monkeypatch, "n1")
+    gen = one._secure(one.cfg.generator)
+    assert (gen.serve.host, gen.serve.port, gen.serve.term_linger_seconds) == ("127.0.0.1", 0, 25.0)
+    assert marker(tmp_path / "runs", "77").read_text().strip() == str((tmp_path / "runs" / "r-1").resolve())
+    many = _services(tmp_path, monkeypatch, "n1,n2")
+    with pytest.raises(SystemExit, match="need TLS and a token"):
+        many._secure(many.cfg.generator)
+    secured = _services(tmp_path, monkeypatch, "n1,n2", secrets="/s")
+    learner = secured._secure(secured.cfg.learner, "security")
+    assert (learner.serve.host, learner.serve.tls_cert, learner.serve.token_file) == (
+        "0.0.0.0",
+        "/s/tls.crt",
+        "/s/token",
+    )
+    assert learner.security.ca == "/s/ca.crt" and secured.client_security().token_file == "/s/token"
+
+
+def test_a_requeued_job_finds_its_run_once_it_has_a_checkpoint(tmp_path):
+    cfg = _cfg(runs_dir=str(tmp_path))
+    alloc = Allocation("8", ("n1",))
+    assert requeued_run(cfg, alloc) is None
+    run = tmp_path / "r-1"
+    marker(tmp_path, "8").write_text(f"{run}\n")
+    assert requeued_run(cfg, alloc) is None  # started, no checkpoint yet: a new run
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "coordinator.json").write_text("{}")
+    assert requeued_run(cfg, alloc) == run
+
+
+def _serving(addr: str) -> bool:
+    with grpc.insecure_channel(addr) as ch:
+        try:
+            got = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        except grpc.RpcError:
+            return False
+    return got.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_service_lingers_after_a_first_sigterm_and_stops_at_a_second(tmp_path):
+    with service(["env", "--set", "serve.term_linger_seconds=60"], tmp_path) as (addr, proc):
+        os.kill(proc.proc.pid, signal.SIGTERM)
+        time.sleep(1.5)
+        assert proc.alive() and _serving(addr)  # still answering: the coordinator's last calls land
+        os.kill(proc.proc.pid, signal.SIGTERM)
+        proc.proc.wait(timeout=20)
+    with service(["env"], tmp_path) as (addr, proc):  # without it: the first signal stops it
+        os.kill(proc.proc.pid, signal.SIGTERM)
+        proc.proc.wait(timeout=20)

@@ -13,18 +13,25 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${1:-$here/.venv}"
 python="${PYTHON:-python3}"
 
-# The code sandbox (services/common/sandbox: the env service's tools, code rewards) runs programs
-# under bubblewrap, a Debian/Ubuntu package. Installed here when missing and we are root (CI, fresh
-# machines); otherwise the command to run is printed and the sandbox tests are skipped.
-if ! command -v bwrap >/dev/null 2>&1; then
+# Debian packages the tests and services use, installed when missing and we are root (CI, fresh
+# machines); otherwise the command to run is printed and the tests that need them are skipped.
+debian() {  # debian COMMAND WHY PACKAGE...
+  local cmd=$1 why=$2
+  shift 2
+  command -v "$cmd" >/dev/null 2>&1 && return 0
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null 2>&1 \
-      || { apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null; }
+    apt-get install -y -qq --no-install-recommends "$@" >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends "$@" >/dev/null; }
   else
-    echo "bubblewrap is missing: the code sandbox needs it (sudo apt-get install bubblewrap)" >&2
+    echo "$* missing: $why (sudo apt-get install $*)" >&2
   fi
-fi
+}
+# The code sandbox (services/common/sandbox: the env service's tools, code rewards) runs programs
+# under bubblewrap.
+debian bwrap "the code sandbox needs it" bubblewrap
+# Slurm (deploy/slurm; tests/integration/test_slurm.py starts a one-node cluster).
+debian slurmctld "the Slurm recipe's test needs a one-node Slurm" slurm-wlm munge
 if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi

@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# The GPU check: run the `gpu` tests, bench/sync_ipc.py and bench/learner.py on a CUDA machine and write
+# The GPU check: run the `gpu` tests (packed attention on torch's varlen kernel among them), the
+# LoRA learner's equality with a plain PEFT step, bench/sync_ipc.py and bench/learner.py (ZeRO
+# stages, packed against padded on a long-tailed mix, and the defaults measured: gradient
+# checkpointing, persistence threshold, overlap_comm, head calls) on a CUDA machine and write
 # bench/results/gpu.md with the machine named.
 #
 #   bash scripts/gpu_check.sh                       # a machine with network: installs what is missing
@@ -34,8 +37,11 @@ out="bench/results/gpu.md"
 machine="$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1)"
 versions="$("$python" -c 'import torch, deepspeed; print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), NCCL {\".\".join(map(str, torch.cuda.nccl.version()))}, deepspeed {deepspeed.__version__}")')"
 tests="$("$python" -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -15 || true)"
+lora="$("$python" -m pytest -q tests/integration/test_learner_lora.py -p no:cacheprovider 2>&1 | tail -5 || true)"
 ipc="$("$python" bench/sync_ipc.py 2>&1 | tail -8)"
-bench="$("$python" bench/learner.py --sizes "${SIZES:-0.5b,1.5b}" --stages "${STAGES:-3,2}" --steps 4 2>&1 | tail -20)"
+variants="ckpt:gradient_checkpointing=true;persist0:param_persistence_threshold=0;no-overlap:overlap_comm=false;head-per-mb:head_calls=per_micro_batch"
+bench="$("$python" bench/learner.py --sizes "${SIZES:-0.5b,1.5b}" --stages "${STAGES:-3,2}" --steps 4 \
+  --variants "${VARIANTS:-$variants}" --skewed "${SKEWED:-0.5b-skewed}" 2>&1 | tail -40)"
 {
   echo "# GPU check ($(date -u +%Y-%m-%d))"
   echo
@@ -44,6 +50,11 @@ bench="$("$python" bench/learner.py --sizes "${SIZES:-0.5b,1.5b}" --stages "${ST
   echo "## pytest -m gpu"
   echo '```'
   echo "$tests"
+  echo '```'
+  echo
+  echo "## LoRA: tests/integration/test_learner_lora.py"
+  echo '```'
+  echo "$lora"
   echo '```'
   echo
   echo "## bench/sync_ipc.py"

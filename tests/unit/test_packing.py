@@ -32,7 +32,7 @@ def lm(family: str, seed: int = 0):
     return Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True))
 
 
-def samples(seed: int = 1, lengths=LENGTHS) -> list[Sample]:
+def samples(seed: int = 1, lengths=tuple(LENGTHS)) -> list[Sample]:
     g = random.Random(seed)
     return [
         Sample(
@@ -151,3 +151,25 @@ def test_packed_plans_keep_every_rank_in_step_within_the_budget(world_size):
     # Packing fills micro-batches: no more of them than the padded plan, usually far fewer.
     padded = plan_step(lengths, world_size, 2048)
     assert len(plans[0]) <= len(padded[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_packed_rows_on_cuda_take_the_varlen_kernel_and_equal_padded(dtype):
+    """On CUDA the attention is torch's varlen kernel (flash-attention's), not the per-sample
+    loop: the same log-probs and gradients as padded SDPA, to the precision of the dtype."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from relayrl.learner import attention
+
+    assert attention._varlen_cuda() is not None, "this torch has no varlen_attn"
+    cuda = torch.device("cuda")
+    cfg = CONFIGS["grpo"]
+    batch = samples(lengths=[(30, 60), (12, 40), (50, 70), (5, 17)])
+    padded_model, packed_model = lm("qwen2").to(cuda, dtype), packed(lm("qwen2")).to(cuda, dtype)
+    a = run(padded_model, to_batch(batch, cuda), cfg)
+    b = run(packed_model, to_batch(batch, cuda, packed=True), cfg)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert rel(b[0].float(), a[0].float()) < tol
+    for name, g in a[3].items():
+        assert rel(b[3][name].float(), g.float()) < 10 * tol, name

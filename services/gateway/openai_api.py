@@ -249,15 +249,38 @@ def parse_reward_set(body: object) -> RewardSet:
     return RewardSet(reward=reward, components=components)
 
 
+PARSE_ERRORS = {
+    common_pb2.TOOL_CALL_PARSE_INVALID_JSON: "invalid_json",
+    common_pb2.TOOL_CALL_PARSE_UNCLOSED_BLOCK: "unclosed_block",
+    common_pb2.TOOL_CALL_PARSE_MISSING_NAME: "missing_name",
+    common_pb2.TOOL_CALL_PARSE_INVALID_ARGUMENTS: "invalid_arguments",
+}
+"""A tool call the model wrote but that did not parse goes to the agent as a call all the same
+(its name as far as it was read, its raw text as the arguments), with this status under
+``relayrl_parse_error`` (an extra field OpenAI clients keep): an agent that knows it answers as
+the white-box env does; one that does not finds no tool of that name and says so."""
+
+
+def _call_json(c: common_pb2.ToolCall) -> dict[str, Any]:
+    """A tool call of an answer as OpenAI writes it.
+
+    >>> _call_json(common_pb2.ToolCall(id="c", name="", arguments_json="{x",
+    ...                                parse=common_pb2.TOOL_CALL_PARSE_UNCLOSED_BLOCK))["relayrl_parse_error"]
+    'unclosed_block'
+    """
+    function = {"name": c.name, "arguments": c.arguments_json}
+    out: dict[str, Any] = {"id": c.id, "type": "function", "function": function}
+    if c.parse in PARSE_ERRORS:
+        out["relayrl_parse_error"] = PARSE_ERRORS[c.parse]
+    return out
+
+
 def _message_json(message: common_pb2.ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": "assistant", "content": message.content}
     if message.tool_calls:
         if not message.content:
             out["content"] = None  # what OpenAI sends for a turn that only calls tools
-        out["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
-            for c in message.tool_calls
-        ]
+        out["tool_calls"] = [_call_json(c) for c in message.tool_calls]
     return out
 
 
@@ -316,7 +339,8 @@ def stream_chunks(answer: Answer, model: str, include_usage: bool) -> list[dict[
     if answer.message.content:
         deltas.append({"content": answer.message.content})
     for i, c in enumerate(answer.message.tool_calls):
-        head = {"index": i, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}}
+        head = {"index": i, **_call_json(c)}
+        head["function"] = {"name": c.name, "arguments": ""}
         deltas.append({"tool_calls": [head]})
         if c.arguments_json:
             deltas.append({"tool_calls": [{"index": i, "function": {"arguments": c.arguments_json}}]})

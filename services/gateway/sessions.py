@@ -111,13 +111,13 @@ def tail_extends(tail: list[common_pb2.ChatMessage]) -> bool:
 
 def reply_of(s: common_pb2.Sample, tool_format: str) -> common_pb2.ChatMessage:
     """The assistant message the agent gets for a sample: its text outside the tool calls and
-    the calls that parsed (a call that did not parse cannot be given as a call: it stays text)."""
-    ok = [c for c in s.tool_calls if c.parse == common_pb2.TOOL_CALL_PARSE_OK]
-    content = s.content if tool_format else s.text
-    if tool_format and len(ok) != len(s.tool_calls):
-        content = s.text  # the malformed call's text, for the agent to see what the model wrote
-        ok = []
-    return common_pb2.ChatMessage(role="assistant", content=content, tool_calls=ok)
+    every call it made. A call that did not parse is given as a call too, its raw text as the
+    arguments and its parse status beside it (``openai_api``: ``relayrl_parse_error``), as the
+    white-box env answers it: the model learns its call was malformed, instead of the agent
+    taking the markup for a final answer."""
+    if not tool_format:
+        return common_pb2.ChatMessage(role="assistant", content=s.text)
+    return common_pb2.ChatMessage(role="assistant", content=s.content, tool_calls=list(s.tool_calls))
 
 
 def finish_reason(s: common_pb2.Sample, reply: common_pb2.ChatMessage) -> str:

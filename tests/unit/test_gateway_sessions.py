@@ -144,3 +144,27 @@ def test_a_set_reward_and_the_prefix_check_reach_the_close():
     out = s.close()
     assert [x.break_reason for x in out.segments] == ["", "prefix_violation"]
     assert out.reward_set and out.reward == 1.0 and dict(out.components) == {"correct": 1.0}
+
+
+def test_a_call_that_did_not_parse_reaches_the_agent_as_a_call_and_its_answer_extends_the_turn():
+    from relayrl.gateway.openai_api import _message_json
+    from relayrl.gateway.sessions import reply_of
+
+    s = session()
+    first = ChatRequest([SYSTEM, USER], TOOLS)
+    bad = sample([1], [10, STOP], ("", "<tool ="))
+    bad.tool_calls[0].parse = c.TOOL_CALL_PARSE_UNCLOSED_BLOCK
+    answer = s.record(s.plan(first), first, bad)
+    assert [(t.name, t.arguments_json) for t in answer.message.tool_calls] == [("", "<tool =")]
+    assert answer.finish_reason == "tool_calls"
+    call = _message_json(reply_of(bad, "hermes"))["tool_calls"][0]
+    assert call["relayrl_parse_error"] == "unclosed_block" and call["function"]["arguments"] == "<tool ="
+    # The agent answers it (as the white-box env words it) and goes on: the same segment.
+    echoed = c.ChatMessage(
+        role="assistant", tool_calls=[c.ToolCall(id="mine", name="", arguments_json="<tool =")]
+    )
+    nxt = ChatRequest(
+        [SYSTEM, USER, echoed, tool("error: the tool call has no closing tag (got: <tool =)")], TOOLS
+    )
+    p = s.plan(nxt)
+    assert p.parent == 0 and p.prompt.HasField("continuation")

@@ -42,6 +42,12 @@ MAX_REPLY_BYTES = 16 << 20
 MAX_ERROR_CHARS = 500
 """An error the model reads is cut to this many characters (as ``relayrl.env.tools`` cuts it)."""
 TOOL = "calc"
+PARSE_ERRORS = {  # what the model reads of a call that did not parse, as relayrl.env.tools words it
+    "invalid_json": "the tool call's body is not a JSON object",
+    "unclosed_block": "the tool call has no closing tag",
+    "missing_name": 'the tool call has no string "name"',
+    "invalid_arguments": 'the tool call\'s "arguments" is not a JSON object',
+}
 GATEWAY_FAILED = 3
 """Exit status when the API failed (no report printed)."""
 
@@ -76,9 +82,16 @@ def answer(call: dict) -> str:
     "error: calc: argument 'expression' must be string, got 5"
     >>> answer({"function": {"name": "python", "arguments": "{}"}})
     "error: no tool named 'python'; tools: calc"
+    >>> answer({"function": {"name": "", "arguments": "<tool ="}, "relayrl_parse_error": "unclosed_block"})
+    'error: the tool call has no closing tag (got: <tool =)'
     """
     function = _function(call)
     name = function.get("name")
+    parse = call.get("relayrl_parse_error") if isinstance(call, dict) else None
+    if parse:  # the gateway read a call it could not parse (its raw text as the arguments)
+        raw = function.get("arguments")
+        got = f" (got: {cut(str(raw), 200)})" if raw else ""
+        return f"error: {PARSE_ERRORS.get(str(parse), 'the tool call was not parsed')}{got}"
     if name != TOOL:
         return f"error: no tool named {cut(str(name), 128)!r}; tools: {TOOL}"
     raw = function.get("arguments")

@@ -1,4 +1,4 @@
-"""One learner rank: the DeepSpeed ZeRO-3 engine and the collective operations on it.
+"""One learner rank: the DeepSpeed engine (ZeRO-3 across ranks) and the collective operations on it.
 
 Every method here is collective: all ranks call it with the same arguments in the same order
 (rank 0 decides, ``control.py`` relays). Rank 0 additionally gets the results (metrics, the
@@ -11,12 +11,10 @@ gathered weights). Nothing here knows about gRPC.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import random
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,13 +22,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from relayrl.common.memory import resident_mb, trim_heap
-from relayrl.common.weightsync.adapters import write_adapter
-from relayrl.common.weightsync.buckets import dtype_name, torch_dtype
-from relayrl.common.weightsync.plan import Bucket, TensorMeta, plan_buckets
+from relayrl.common.weightsync.buckets import torch_dtype
+from relayrl.common.weightsync.plan import Bucket, TensorMeta
 from relayrl.learner import lora
 from relayrl.learner.attention import ATTENTION, packable, register
 from relayrl.learner.batching import plan_step
-from relayrl.learner.config import ONE_RANK_STAGE, LearnerConfig
+from relayrl.learner.config import LearnerConfig
+from relayrl.learner.dsconfig import ds_config, lr_lambda, zero_stage
+from relayrl.learner.export import export_policy, writable_problem
 from relayrl.learner.logprobs import chunk_rows, head_calls
 from relayrl.learner.losses import LossInputs, Totals, policy_loss, policy_sums, value_loss
 from relayrl.learner.models import Policy, ValueModel
@@ -76,62 +75,6 @@ def token_means(sums: dict[str, float], tokens: float) -> dict[str, float]:
         if count > 0:
             out[METRIC_NAMES.get(n, n)] = v / count
     return out
-
-
-def zero_stage(cfg: LearnerConfig, frozen: bool = False) -> int:
-    """The ZeRO stage a model of this learner runs at (``zero_stage``; see its docstring).
-    ``frozen``: a model without an optimizer (ZeRO-1 and 2 partition optimizer state only).
-
-    >>> zero_stage(LearnerConfig(world_size=2)), zero_stage(LearnerConfig()), zero_stage(LearnerConfig(), True)
-    (3, 2, 0)
-    """
-    if cfg.world_size > 1:
-        return 3 if frozen else (cfg.zero_stage or 3)
-    if frozen:
-        return 0
-    return cfg.zero_stage or ONE_RANK_STAGE
-
-
-def ds_config(cfg: LearnerConfig, hidden_size: int, stage: int, cuda: bool) -> dict:
-    # Communication buckets sized to the model, as the HF integration's "auto" does: DeepSpeed's
-    # defaults (5e8 elements for reduction) are sized for billions of parameters and hold memory
-    # a smaller model never needs.
-    bucket = hidden_size * hidden_size
-    persist = cfg.param_persistence_threshold
-    return {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,  # accumulation is driven by hand (see train_step)
-        "gradient_clipping": cfg.optim.grad_clip,
-        "zero_optimization": {
-            "stage": stage,
-            "stage3_param_persistence_threshold": 10 * hidden_size if persist is None else persist,
-            "stage3_gather_16bit_weights_on_model_save": True,
-            "overlap_comm": cuda if cfg.overlap_comm is None else cfg.overlap_comm,
-            "reduce_bucket_size": bucket,
-            "allgather_bucket_size": bucket,
-            "stage3_prefetch_bucket_size": int(0.9 * bucket),
-        },
-        "bf16": {"enabled": cfg.dtype == "bfloat16"},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 1 << 62,
-        "wall_clock_breakdown": False,
-    }
-
-
-def _lr_lambda(cfg: LearnerConfig):
-    o = cfg.optim
-
-    def f(step: int) -> float:
-        if o.warmup_steps and step < o.warmup_steps:
-            return (step + 1) / o.warmup_steps
-        if o.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - o.warmup_steps) / max(1, o.total_steps - o.warmup_steps))
-        if o.schedule == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return f
 
 
 class Trainer:
@@ -184,7 +127,7 @@ class Trainer:
                 betas=cfg.optim.betas,
                 weight_decay=cfg.optim.weight_decay,
             )
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=module, optimizer=opt, lr_scheduler=sched, config=conf
             )
@@ -388,40 +331,7 @@ class Trainer:
     def export(self, out: str | Path, bucket_bytes: int, adapter: bool = False) -> None:
         """Write the current policy as a Hugging Face folder (rank 0 writes; all ranks gather).
         With LoRA: the merged model, or with ``adapter`` the adapter's own folder."""
-        from safetensors.torch import save_file
-
-        params = self.pushed
-        if self.peft is not None and not adapter:  # merged: the base weights too
-            params = {**lora.base_params(self.lm), **self.pushed}
-        buckets = plan_buckets(self.param_metas(dtype_name(self.dtype), params), bucket_bytes)
-        state: dict[str, torch.Tensor] = {}
-        for b, tensors in zip(buckets, self.gathered_buckets(buckets, params), strict=True):
-            if tensors is not None:
-                state.update({m.name: t.cpu().clone() for m, t in zip(b.tensors, tensors, strict=True)})
-        if self.rank != 0:
-            return
-        out = Path(out)
-        meta = json.dumps({"step": self.step, "policy_version": self.version}) + "\n"
-        if self.peft is not None:
-            s = lora.spec(self.cfg.lora)
-            if adapter:
-                write_adapter(out, s, state, base_model=self.cfg.model)
-                (out / "relayrl_export.json").write_text(meta)
-                return
-            state = lora.merged({n: state[n] for n in lora.base_params(self.lm)}, state, s)
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        src = Path(self.cfg.model)
-        for f in src.iterdir():  # tokenizer, generation config, model card: everything but weights
-            if f.is_file() and not f.name.endswith(
-                (".safetensors", ".bin", ".safetensors.index.json", ".pt")
-            ):
-                shutil.copy2(f, tmp / f.name)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "relayrl_export.json").write_text(meta)
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
+        export_policy(self, Path(out), bucket_bytes, adapter)
 
     # -- checkpoints ---------------------------------------------------------------------
     def problem(self, op: str, path: str, tag: str) -> str:
@@ -463,23 +373,6 @@ class Trainer:
         torch.set_rng_state(client["rng"]["torch"])
         random.setstate(client["rng"]["python"])
         return meta
-
-
-def writable_problem(target: Path) -> str:
-    """Why ``target`` (a folder that may not exist yet) could not be created and written, or "".
-    Looks, creates nothing: a refused request leaves no trace.
-
-    >>> writable_problem(Path("/dev/null/x"))
-    '/dev/null is not a folder'
-    """
-    p = target
-    while not os.path.lexists(p) and p != p.parent:
-        p = p.parent
-    if not p.is_dir():
-        return f"{p} is not a folder"
-    if not os.access(p, os.W_OK | os.X_OK):
-        return f"{p} is not writable"
-    return ""
 
 
 def _peak_memory_mb(device: torch.device) -> float:

@@ -8,8 +8,8 @@ import os
 import pytest
 from relayrl.common.rpc import InvalidRequest
 from relayrl.learner.core import check_tag
+from relayrl.learner.export import writable_problem
 from relayrl.learner.servicer import LearnerServicer
-from relayrl.learner.trainer import writable_problem
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from pathlib import Path
 from relayrl.common import config as cfg_mod
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.launcher import ServiceProcess, stop_all
+from relayrl.coordinator.service_set import Addresses
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ def learner_section(cfg: ExperimentConfig, run_dir: Path, role: str = "learner")
     return section.model_copy(update={"checkpoint_dir": str(run_dir.parent.resolve())})
 
 
-class LocalServices:
+class LocalServices(Addresses):
     """The embedded default: the run's learner, generators and reward replicas (and the critic
     and reference learners where the algorithm uses them) as local processes (a ``ServiceSet``),
     each with its config section in ``services/`` and its log in ``logs/`` of the run folder,
@@ -38,15 +39,10 @@ class LocalServices:
     """What a failed run's message tells the user to continue with."""
 
     def __init__(self, cfg: ExperimentConfig, run_dir: Path):
+        super().__init__()
         self.cfg = cfg
         self.run_dir = run_dir
         self.procs: list[ServiceProcess] = []
-        self.generators: dict[str, str] = {}
-        self.rewards: dict[str, str] = {}
-        self.envs: dict[str, str] = {}
-        self.gateways: dict[str, str] = {}
-        self.learner = ""
-        self.roles: dict[str, str] = {}
         self.restarted: dict[str, int] = {}  # name -> restarts so far
         self.restarting: set[str] = set()  # names being started again now
         self._lock = threading.Lock()  # procs, between the supervisor and stop()

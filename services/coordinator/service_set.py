@@ -40,6 +40,18 @@ class ServiceSet(Protocol):
         restarts it): callers wait for it rather than give up after ``replica_wait_seconds``."""
 
 
+class Addresses:
+    """The addresses a ``ServiceSet`` fills, empty until its ``start``."""
+
+    def __init__(self) -> None:
+        self.generators: dict[str, str] = {}
+        self.rewards: dict[str, str] = {}
+        self.envs: dict[str, str] = {}
+        self.gateways: dict[str, str] = {}
+        self.learner = ""
+        self.roles: dict[str, str] = {}
+
+
 class DeployedServices:
     """Services someone else runs: their addresses are in the experiment's ``services`` section;
     a run starts and stops nothing."""

@@ -33,6 +33,7 @@ from relayrl.common import config as cfg_mod
 from relayrl.coordinator.config import ExperimentConfig, RaySection
 from relayrl.coordinator.local_services import learner_section
 from relayrl.coordinator.ray.plan import GroupPlan, Slot, assign_ranks, needs, plan
+from relayrl.coordinator.service_set import Addresses
 
 logger = logging.getLogger(__name__)
 
@@ -106,21 +107,16 @@ def init_ray(r: RaySection) -> None:
         ray.init(address=r.address, **kw)
 
 
-class RayServices:
+class RayServices(Addresses):
     """The services of one run as Ray actors in placement groups (a ``ServiceSet``: ``start``
     fills the addresses, ``stop`` tears everything down, idempotently)."""
 
     resume_command = "relayrl launch ray --resume"
 
     def __init__(self, cfg: ExperimentConfig, run_dir: Path):
+        super().__init__()
         self.cfg = cfg
         self.run_dir = run_dir
-        self.generators: dict[str, str] = {}
-        self.rewards: dict[str, str] = {}
-        self.envs: dict[str, str] = {}
-        self.gateways: dict[str, str] = {}
-        self.learner = ""
-        self.roles: dict[str, str] = {}
         self.hosts: dict[str, object] = {}  # name -> actor handle
         self.ranks: list[str] = []  # learner host names, rank order
         self.pgs: list[tuple[GroupPlan, object]] = []

@@ -36,6 +36,7 @@ from relayrl.common.serving import ClientSecurity
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.launcher import ServiceProcess, stop_all
 from relayrl.coordinator.local_services import learner_section
+from relayrl.coordinator.service_set import Addresses
 from relayrl.coordinator.slurm.plan import Allocation, Step, plan
 
 logger = logging.getLogger(__name__)
@@ -58,12 +59,13 @@ def requeued_run(cfg: ExperimentConfig, alloc: Allocation) -> Path | None:
     return run_dir if (run_dir / "checkpoints" / "coordinator.json").exists() else None
 
 
-class SlurmServices:
+class SlurmServices(Addresses):
     """The run's services as steps of this Slurm job (a ``ServiceSet``)."""
 
     resume_command = "sbatch deploy/slurm/relayrl.sbatch --resume"
 
     def __init__(self, cfg: ExperimentConfig, run_dir: Path):
+        super().__init__()
         self.alloc = Allocation.from_env()
         self.cfg = cfg
         self.run_dir = run_dir
@@ -71,12 +73,6 @@ class SlurmServices:
         self.single = len(set(self.alloc.nodes)) == 1
         self.linger = float(os.environ.get(LINGER_ENV, "25"))
         self.procs: list[ServiceProcess] = []
-        self.generators: dict[str, str] = {}
-        self.rewards: dict[str, str] = {}
-        self.envs: dict[str, str] = {}
-        self.gateways: dict[str, str] = {}
-        self.learner = ""
-        self.roles: dict[str, str] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         m = marker(cfg.runs_dir, self.alloc.job_id)

@@ -41,15 +41,17 @@ for tool in munged slurmctld slurmd sbatch; do
     command -v "$tool" >/dev/null || { echo "one-node-cluster.sh: $tool not found (apt-get install slurm-wlm munge)" >&2; exit 1; }
 done
 dir=$(mkdir -p "$dir" && cd "$dir" && pwd)
-mkdir -p "$dir/state" "$dir/spool" "$dir/munge"
-chmod 700 "$dir/munge"
+mkdir -p "$dir/state" "$dir/spool" "$dir/munge" "$dir/munge-socket"
+chmod 700 "$dir/munge"    # the key: root only
+chmod 755 "$dir/munge-socket"  # the socket: every user that submits
 node=$(hostname -s)
 read -r cpus mem < <(slurmd -C | awk -F'[ =]' '{for (i = 1; i < NF; i++) { if ($i == "CPUs") c = $(i+1); if ($i == "RealMemory") m = $(i+1) }} END {print c, m}')
 # A munge of its own: its key and socket in DIR, so two clusters (two test runs) never meet.
 dd if=/dev/urandom of="$dir/munge/munge.key" bs=1024 count=1 status=none
 chmod 400 "$dir/munge/munge.key"
-munged --force --key-file="$dir/munge/munge.key" --socket="$dir/munge/socket" \
+munged --force --key-file="$dir/munge/munge.key" --socket="$dir/munge-socket/socket" \
     --pid-file="$dir/munged.pid" --log-file="$dir/munged.log" --seed-file="$dir/munge/seed"
+trap 'stop' ERR  # a daemon that fails to start leaves none of the others behind
 cat > "$dir/slurm.conf" <<EOF
 ClusterName=relayrl$(basename "$dir" | tr -cd 'a-z0-9' | head -c 20)
 SlurmctldHost=$node
@@ -58,7 +60,7 @@ SlurmdPort=$(free_port)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket=$dir/munge/socket
+AuthInfo=socket=$dir/munge-socket/socket
 CredType=cred/munge
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool

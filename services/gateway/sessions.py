@@ -229,7 +229,8 @@ class Session:
                     seg, reason = None, "fork"
             except PrefixViolation:
                 seg, reason = None, "prefix_violation"
-        reply = reply_of(s, self.sampling.tool_format)
+        # tool_choice "none": the calls were not read out of the answer; all of it is text
+        reply = reply_of(s, self.sampling.tool_format if req.tool_choice != "none" else "")
         ended = bool(s.completion_token_ids) and s.completion_token_ids[-1] in self.sampling.stop_token_ids
         self.calls.append(
             Call(

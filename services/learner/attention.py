@@ -7,9 +7,9 @@ function of every layer. ``ATTENTION`` is that function, registered with transfo
 ``AttentionInterface`` (``register``) and chosen when the model is loaded
 (``attn_implementation=ATTENTION``):
 
-* CUDA: ``torch.nn.attention.varlen.varlen_attn`` (flash-attention's varlen kernel shipped with
-  torch; no flash-attn package), one call for the whole row.
-* CPU (or a torch without it): one causal SDPA per sequence, which computes exactly the
+* CUDA in bf16/fp16: ``torch.nn.attention.varlen.varlen_attn`` (flash-attention's varlen kernel
+  shipped with torch; no flash-attn package), one call for the whole row.
+* CPU, float32, or a torch without it: one causal SDPA per sequence, which computes exactly the
   attention each sequence gets alone, in O(sum of L^2) rather than a block-diagonal mask's O(T^2).
 * Without ``cu_seq_lens`` (padded rows, scoring a single sequence): plain causal SDPA, as the
   ``sdpa`` implementation runs it with no mask.
@@ -103,7 +103,10 @@ def varlen_attention(
         raise ValueError(f"packed attention takes one row; got {query.shape[0]}")
     groups = query.shape[1] // key.shape[1]
     cu = cu_seq_lens_q.to(device=query.device, dtype=torch.int32)
-    fn = _varlen_cuda() if query.is_cuda else None
+    # The varlen kernel is flash-attention's: half precision only (a float32 learner on a GPU
+    # takes the per-sample SDPA below).
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    fn = _varlen_cuda() if query.is_cuda and half else None
     if fn is not None:
         varlen_attn, causal, gqa = fn
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]

@@ -137,3 +137,17 @@ async def test_a_replica_still_waiting_for_the_sessions_policy_is_a_429_not_a_50
     finally:
         await gens.close()
         await server.stop(0)
+
+
+async def test_tool_choice_none_answers_the_whole_text():
+    c, up = core()
+    key = open_(c)
+
+    async def text_reply(prompt, sampling, affinity, min_version, rid):
+        s = sample([1, 2], [10, STOP], text="<tool_call>{...}</tool_call> 42")
+        s.content = ""  # no tool format: the generator read no calls, so no content apart
+        return s
+
+    up.generate = text_reply
+    answer = await c.complete(key, ChatRequest([SYSTEM, USER], TOOLS, tool_choice="none"))
+    assert answer.message.content == "<tool_call>{...}</tool_call> 42" and not answer.message.tool_calls

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from relayrl.coordinator.config import ExperimentConfig
-from relayrl.coordinator.slurm.launch import SlurmServices, marker, requeued_run
+from relayrl.coordinator.slurm.launch import SlurmServices, marker, requeued_run, visible_gpus
 from relayrl.coordinator.slurm.plan import Allocation, gpus, plan
 
 from tests.procs import service
@@ -22,16 +22,13 @@ def _cfg(**sections) -> ExperimentConfig:
     return ExperimentConfig.model_validate({"model": {"path": "m"}, "data": {"train": "t"}, **sections})
 
 
-def test_a_one_node_cpu_job_holds_everything_on_its_node():
+def test_a_one_node_cpu_job_runs_everything_beside_the_coordinator():
     cfg = _cfg(learner={"world_size": 2}, services={"generator_replicas": 2, "reward_replicas": 1})
     p = plan(cfg, Allocation("5", ("n1",)))
-    assert {n: s.nodes for n, s in p.steps.items()} == {
-        "learner": ("n1",), "gen-0": ("n1",), "gen-1": ("n1",), "reward-0": ("n1",),
+    assert {n: (s.nodes, s.local) for n, s in p.steps.items()} == {
+        "learner": (("n1",), True), "gen-0": (("n1",), True), "gen-1": (("n1",), True), "reward-0": (("n1",), True),
     }  # fmt: skip
-    assert p.steps["learner"].tasks_per_node == 2 and not p.steps["learner"].gpus_per_task
-    words = p.steps["learner"].srun("relayrl-5")
-    assert words[:3] == ["srun", "--job-name=relayrl-5-learner", "--kill-on-bad-exit=1"]
-    assert "--overlap" in words and "--overcommit" in words and not any("gres" in w for w in words)
+    assert p.steps["learner"].tasks_per_node == 2 and not p.steps["learner"].gpu_ids
 
 
 def test_gpu_nodes_split_between_learner_ranks_and_generators():
@@ -43,13 +40,26 @@ def test_gpu_nodes_split_between_learner_ranks_and_generators():
     )
     p = plan(cfg, Allocation("9", ("a", "b", "c", "d"), gpus_per_node=8))
     learner = p.steps["learner"]
-    assert learner.nodes == ("a", "b") and learner.tasks_per_node == 8 and learner.gpus_per_task == 1
+    assert learner.nodes == ("a", "b") and learner.tasks_per_node == 8 and not learner.local
+    words = learner.srun("relayrl-9")
+    assert words[:3] == ["srun", "--job-name=relayrl-9-learner", "--kill-on-bad-exit=1"]
+    assert "--gres=gpu:8" in words and "--exact" in words and not any("per-task" in w for w in words)
     assert [p.steps[f"gen-{i}"].nodes[0] for i in range(6)] == ["c", "c", "c", "c", "d", "d"]
     gen = p.steps["gen-0"].srun("j")
-    assert "--exact" in gen and "--gres=gpu:2" in gen and "--overlap" not in gen  # GPUs of its own
-    assert p.steps["reward-1"].nodes == ("a",) and p.steps["env-0"].nodes == ("a",)  # no GPU taken
-    with pytest.raises(SystemExit, match="ranks need 3 nodes"):
+    assert "--gres=gpu:2" in gen and "--overlap" not in gen  # GPUs of its own
+    assert p.steps["reward-1"].nodes == ("a",) and p.steps["env-0"].local  # no GPU taken
+    with pytest.raises(SystemExit, match="need 3 node"):
         plan(_cfg(learner={"world_size": 24}), Allocation("9", ("a", "b"), gpus_per_node=8))
+    with pytest.raises(SystemExit, match="generator replica 0: no node has 2 GPUs left"):
+        plan(_cfg(learner={"world_size": 8}, services={"generator_replicas": 1}, generator={"engine": {"tensor_parallel_size": 2}}),
+             Allocation("9", ("a",), gpus_per_node=8))  # fmt: skip
+
+
+def test_one_gpu_node_shares_its_gpus_between_local_services():
+    cfg = _cfg(learner={"world_size": 4}, services={"generator_replicas": 2})
+    p = plan(cfg, Allocation("3", ("a",), gpus_per_node=8))
+    assert p.steps["learner"].gpu_ids == (0, 1, 2, 3) and p.steps["gen-1"].gpu_ids == (5,)
+    assert visible_gpus(p.steps["gen-1"].gpu_ids, {"CUDA_VISIBLE_DEVICES": "2,3,4,5,6,7,8,9"}) == "7"
 
 
 def test_the_allocation_is_read_from_slurms_variables():
@@ -91,7 +101,15 @@ def test_services_bind_loopback_on_one_node_and_tls_across_nodes(tmp_path, monke
         "/s/tls.crt",
         "/s/token",
     )
-    assert learner.security.ca == "/s/ca.crt" and secured.client_security().token_file == "/s/token"
+    assert learner.security.ca == "/s/ca.crt"
+    assert secured.cfg.services.security.token_file == "/s/token"  # the coordinator's own calls
+    own = _cfg(
+        runs_dir=str(tmp_path / "runs"),
+        generator={"serve": {"tls_cert": "/mine.crt", "tls_key": "/mine.key"}},
+    )
+    kept = SlurmServices.__new__(SlurmServices)
+    kept.__dict__.update(secured.__dict__)
+    assert kept._secure(own.generator).serve.tls_cert == "/mine.crt"  # the experiment's own TLS stands
 
 
 def test_a_requeued_job_finds_its_run_once_it_has_a_checkpoint(tmp_path):

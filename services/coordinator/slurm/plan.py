@@ -1,15 +1,18 @@
 """Where each service of a run goes in a Slurm allocation: pure, from the experiment and the
 allocation's ``SLURM_*`` variables (``Allocation.from_env``).
 
-The learner's ranks take the first nodes (one rank per GPU there; on CPU nodes all of
-``world_size`` on the first node), generator replicas the nodes after them (``tensor_parallel_size``
-GPUs each), cycling when there are more replicas than slots; a one-node allocation holds
-everything. Reward, env and gateway replicas need no GPU: they run on the first node beside the
-coordinator (the batch step), taking CPUs only.
+The learner's ranks take whole nodes first (one rank per GPU; on CPU nodes all of ``world_size``
+on the first node), generator replicas the GPUs left after them (``tensor_parallel_size`` each,
+in node order; on CPU nodes the nodes after the learner's, in turn), and a run that does not fit
+is refused here, naming what is missing. Reward, env and gateway replicas need no GPU: they run on
+the first node beside the coordinator.
 
-Each service is one ``srun`` step. GPU steps ask for their GPUs (``--gres=gpu:N``, ``--exact``):
-Slurm gives every step GPUs of its own, so two steps on one node never share a device. CPU-only
-steps ``--overlap``: they share the node's CPUs with the others rather than waiting for free ones.
+A service that stays on the first node (where the batch step, and this process, run) is a plain
+child process, its GPUs named by ``CUDA_VISIBLE_DEVICES`` (``Step.gpu_ids``): ``scancel``'s SIGTERM
+reaches it directly, so it can serve on while the coordinator writes its last checkpoint
+(``serve.term_linger_seconds``). A service on other nodes is an ``srun`` step: its GPUs are asked
+for per node (``--gres``, ``--exact``: Slurm gives every step GPUs of its own), its CPUs shared
+with the job's other steps (``--overlap``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from relayrl.coordinator.config import ExperimentConfig
 
 @dataclass(frozen=True)
 class Allocation:
-    """The allocation a batch script runs in."""
+    """The allocation a batch script runs in (its batch step on ``nodes[0]``)."""
 
     job_id: str
     nodes: tuple[str, ...]
@@ -77,15 +80,20 @@ def expand(nodelist: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Step:
-    """One ``srun`` step: a service replica (or a learner role's ranks)."""
+    """One service replica (or a learner role's ranks): local on the first node, else an srun step."""
 
     name: str
     nodes: tuple[str, ...]
     tasks_per_node: int = 1
-    gpus_per_task: int = 0
+    gpus_per_node: int = 0
+    local: bool = False
+    gpu_ids: tuple[int, ...] = ()
+    """Local only: which of the batch step's GPUs it takes (indices into CUDA_VISIBLE_DEVICES)."""
 
     def srun(self, job_name: str) -> list[str]:
-        """The ``srun`` words that start this step (the service's command follows)."""
+        """The ``srun`` words that start this step (the service's command follows). Every task
+        sees all of the step's GPUs on its node (no per-task binding), so a learner rank's
+        ``LOCAL_RANK`` picks its own."""
         where = ["--nodes", str(len(self.nodes)), "--nodelist", ",".join(self.nodes)]
         tasks = [
             "--ntasks",
@@ -93,13 +101,8 @@ class Step:
             "--ntasks-per-node",
             str(self.tasks_per_node),
         ]
-        if self.gpus_per_task:
-            use = [
-                "--exact",
-                f"--gres=gpu:{self.gpus_per_task * self.tasks_per_node}",
-                "--gpus-per-task",
-                str(self.gpus_per_task),
-            ]
+        if self.gpus_per_node:
+            use = ["--exact", f"--gres=gpu:{self.gpus_per_node}"]
         else:  # CPUs shared with the job's other steps (and more tasks than CPUs allowed)
             use = ["--overlap", "--overcommit"]
         return ["srun", f"--job-name={job_name}-{self.name}", "--kill-on-bad-exit=1", *where, *tasks, *use]
@@ -117,36 +120,57 @@ def plan(cfg: ExperimentConfig, alloc: Allocation) -> Plan:
     >>> cfg = ExperimentConfig.model_validate({"model": {"path": "m"}, "data": {"train": "t"},
     ...     "learner": {"world_size": 8}, "services": {"generator_replicas": 4}})
     >>> p = plan(cfg, Allocation("7", ("a", "b", "c"), gpus_per_node=8))
-    >>> p.steps["learner"].nodes, [p.steps[f"gen-{i}"].nodes for i in range(4)], p.steps["reward-0"].nodes
-    (('a',), [('b',), ('b',), ('b',), ('b',)], ('a',))
+    >>> p.steps["learner"].nodes, p.steps["learner"].local, [p.steps[f"gen-{i}"].nodes for i in range(4)]
+    (('a',), True, [('b',), ('b',), ('b',), ('b',)])
+    >>> one = plan(cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"world_size": 4})}),
+    ...            Allocation("7", ("a",), gpus_per_node=8))
+    >>> one.steps["learner"].gpu_ids, [one.steps[f"gen-{i}"].gpu_ids for i in range(4)]
+    ((0, 1, 2, 3), [(4,), (5,), (6,), (7,)])
     """
     out = Plan()
     nodes, g = list(alloc.nodes), alloc.gpus_per_node
-    used = 0
+    free = dict.fromkeys(nodes, g)
+    first = nodes[0]
+
+    def step(name: str, where: list[str], tasks: int, n_gpus: int) -> Step:
+        local = where == [first]
+        ids = tuple(range(g - free[first], g - free[first] + n_gpus)) if local and n_gpus else ()
+        for n in where:
+            free[n] -= n_gpus
+        return Step(name, tuple(where), tasks, n_gpus, local, ids)
+
     for role, section in cfg.role_sections().items():
-        if g:
-            per = min(g, section.world_size)
-            if section.world_size % per:
-                raise SystemExit(f"{role}: world_size {section.world_size} does not fill nodes of {g} GPUs")
-            count = section.world_size // per
-        else:
-            per, count = section.world_size, 1
-        take = nodes[used : used + count] if used + count <= len(nodes) else nodes[:count]
-        if len(take) < count:
+        per = min(g, section.world_size) if g else section.world_size
+        if section.world_size % per:
+            raise SystemExit(f"{role}: world_size {section.world_size} does not fill nodes of {g} GPUs")
+        count = section.world_size // per
+        whole = [n for n in nodes if free[n] == g and (g or n == first or count > 1)][:count]
+        if len(whole) < count:
             raise SystemExit(
-                f"{role}: {section.world_size} ranks need {count} nodes of {g} GPUs; the job has {len(nodes)}"
+                f"{role}: {section.world_size} ranks need {count} node(s) of {g or 'CPU'} "
+                f"{'GPUs' if g else ''} to themselves; the job has {len(nodes)} node(s), some taken"
             )
-        out.steps[role] = Step(role, tuple(take), per, 1 if g else 0)
-        used = used + count if used + count <= len(nodes) else used
-    rest = nodes[used:] or nodes  # one node: everything shares it
+        out.steps[role] = step(role, whole, per, per if g else 0)
     tp = cfg.generator.engine.tensor_parallel_size
-    slots = [n for n in rest for _ in range(max(1, g // tp) if g else 1)]
+    cpu_turn = [n for n in nodes if n not in out.steps["learner"].nodes] or [first]
     for i in range(cfg.services.generator_replicas):
-        out.steps[f"gen-{i}"] = Step(f"gen-{i}", (slots[i % len(slots)],), 1, tp if g else 0)
-    for i in range(cfg.services.reward_replicas):
-        out.steps[f"reward-{i}"] = Step(f"reward-{i}", (nodes[0],))
-    for i in range(cfg.services.env_replicas if cfg.episodes is not None else 0):
-        out.steps[f"env-{i}"] = Step(f"env-{i}", (nodes[0],))
-    for i in range(cfg.services.gateway_replicas):
-        out.steps[f"gateway-{i}"] = Step(f"gateway-{i}", (nodes[0],))
+        name = f"gen-{i}"
+        if not g:
+            out.steps[name] = step(name, [cpu_turn[i % len(cpu_turn)]], 1, 0)
+            continue
+        node = next((n for n in nodes if free[n] >= tp), None)
+        if node is None:
+            raise SystemExit(
+                f"generator replica {i}: no node has {tp} GPUs left (tensor_parallel_size); the learner "
+                f"takes {sum(s.gpus_per_node * len(s.nodes) for s in out.steps.values() if not s.name.startswith('gen-'))}, "
+                f"the job has {g * len(nodes)}: add nodes or lower services.generator_replicas"
+            )
+        out.steps[name] = step(name, [node], 1, tp)
+    for kind, count in (
+        ("reward", cfg.services.reward_replicas),
+        ("env", cfg.services.env_replicas if cfg.episodes is not None else 0),
+        ("gateway", cfg.services.gateway_replicas),
+    ):
+        for i in range(count):
+            out.steps[f"{kind}-{i}"] = step(f"{kind}-{i}", [first], 1, 0)
     return out

@@ -156,8 +156,8 @@ def test_packed_plans_keep_every_rank_in_step_within_the_budget(world_size):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_packed_rows_on_cuda_take_the_varlen_kernel_and_equal_padded(dtype):
-    """On CUDA the attention is torch's varlen kernel (flash-attention's), not the per-sample
-    loop: the same log-probs and gradients as padded SDPA, to the precision of the dtype."""
+    """On CUDA, bf16 takes torch's varlen kernel (flash-attention's) and float32 the per-sample
+    SDPA: either way the same log-probs and gradients as padded SDPA, to the dtype's precision."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from relayrl.learner import attention

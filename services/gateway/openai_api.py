@@ -90,12 +90,24 @@ def _tool_call(value: object, param: str) -> common_pb2.ToolCall:
         raise BadRequest(f"{param}.type must be 'function'", param=f"{param}.type")
     fn = _dict(call.get("function"), f"{param}.function")
     args = _str(fn.get("arguments"), f"{param}.function.arguments", limit=MAX_TEXT_CHARS)
+    failed = call.get("relayrl_parse_error")
+    if failed is not None:  # a call the gateway gave as it could not parse it, echoed back
+        status = {v: k for k, v in PARSE_ERRORS.items()}.get(failed)
+        if status is None:
+            raise BadRequest(f"{param}.relayrl_parse_error is not one the gateway gives", param=param)
+        return common_pb2.ToolCall(
+            id=_str(call.get("id"), f"{param}.id", limit=MAX_ID_CHARS, empty=False),
+            name=_str(fn.get("name"), f"{param}.function.name", limit=MAX_NAME_CHARS),
+            arguments_json=args,
+            parse=status,
+        )
     try:
         is_object = isinstance(json.loads(args), dict)
     except (ValueError, RecursionError):
         is_object = False
     if not is_object:
-        # The chat template renders arguments as an object: only calls that parsed reach an agent.
+        # The chat template renders arguments as an object (a call that did not parse comes back
+        # with its relayrl_parse_error, above).
         raise BadRequest(
             f"{param}.function.arguments must be a JSON object text", param=f"{param}.function.arguments"
         )

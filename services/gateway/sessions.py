@@ -109,6 +109,32 @@ def tail_extends(tail: list[common_pb2.ChatMessage]) -> bool:
     return all(m.role == "tool" for m in tail[:-1])
 
 
+def renderable(messages) -> list[common_pb2.ChatMessage]:
+    """``messages`` as a chat template can render them whole: an assistant's call that did not
+    parse has no arguments object to render and is left out (its text stays in the content), as
+    the white-box env's stepwise turns leave it out.
+
+    >>> bad = common_pb2.ToolCall(id="c", arguments_json="<x", parse=common_pb2.TOOL_CALL_PARSE_UNCLOSED_BLOCK)
+    >>> [len(m.tool_calls) for m in renderable([common_pb2.ChatMessage(role="assistant", tool_calls=[bad])])]
+    [0]
+    """
+    out = []
+    for m in messages:
+        bad = [
+            c
+            for c in m.tool_calls
+            if c.parse not in (common_pb2.TOOL_CALL_PARSE_OK, common_pb2.TOOL_CALL_PARSE_UNSPECIFIED)
+        ]
+        if bad:
+            kept = [c for c in m.tool_calls if c not in bad]
+            m, original = common_pb2.ChatMessage(), m
+            m.CopyFrom(original)
+            del m.tool_calls[:]
+            m.tool_calls.extend(kept)
+        out.append(m)
+    return out
+
+
 def reply_of(s: common_pb2.Sample, tool_format: str) -> common_pb2.ChatMessage:
     """The assistant message the agent gets for a sample: its text outside the tool calls and
     every call it made. A call that did not parse is given as a call too, its raw text as the
@@ -161,7 +187,9 @@ class Session:
         if parent is None:
             prompt = common_pb2.Prompt(
                 prompt_id=pid,
-                messages=common_pb2.ChatMessages(messages=req.messages, tools_json=req.tools_json),
+                messages=common_pb2.ChatMessages(
+                    messages=renderable(req.messages), tools_json=req.tools_json
+                ),
             )
         else:
             p = self.calls[parent]

@@ -616,3 +616,24 @@ def test_parse_names_the_bad_field(message, param):
     with pytest.raises(BadRequest) as e:
         parse_chat_request({"model": MODEL, "messages": [message]})
     assert e.value.param == param and e.value.status == 400
+
+
+def test_an_echoed_call_that_did_not_parse_is_taken_back_with_its_status():
+    from relayrl.common.v1 import common_pb2 as c
+    from relayrl.gateway import openai_api
+
+    echoed = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_0_0", "type": "function", "function": {"name": "", "arguments": "<tool ="},
+         "relayrl_parse_error": "unclosed_block"}]}  # fmt: skip
+    req = openai_api.parse_chat_request({"model": MODEL, "messages": [*USER, echoed]})
+    call = req.messages[1].tool_calls[0]
+    assert (call.name, call.arguments_json, call.parse) == ("", "<tool =", c.TOOL_CALL_PARSE_UNCLOSED_BLOCK)
+    with pytest.raises(openai_api.BadRequest, match="relayrl_parse_error"):
+        bad = {**echoed, "tool_calls": [{**echoed["tool_calls"][0], "relayrl_parse_error": "made_up"}]}
+        openai_api.parse_chat_request({"model": MODEL, "messages": [*USER, bad]})
+    with pytest.raises(openai_api.BadRequest, match="JSON object"):  # without it: a call as any other
+        plain = {
+            **echoed,
+            "tool_calls": [{k: v for k, v in echoed["tool_calls"][0].items() if k != "relayrl_parse_error"}],
+        }
+        openai_api.parse_chat_request({"model": MODEL, "messages": [*USER, plain]})

@@ -110,21 +110,25 @@ def test_a_dead_creators_segment_is_removed_by_the_next_one():
         fresh.close()
 
 
-def _wait_all(name: str, n: int, size: int, push_id: int, out) -> None:
+def _wait_all(name: str, n: int, size: int, push_id: int, out, progress=None) -> None:
     import time as _time
 
     seg = Segment.attach(name)
     try:
         table, data = ReadyTable(seg, 0, n), torch.empty(size, dtype=torch.uint8)
         got = []
+        if progress is not None:
+            progress.put("up")
         for i in range(n):
             try:
-                expected = table.wait(i, push_id, _time.monotonic() + 20)
+                expected = table.wait(i, push_id, _time.monotonic() + 60)
             except (RuntimeError, TimeoutError) as e:
                 got.append(str(e))
                 break
             seg.read_into(64 + i * size, data)
-            got.append((expected, checksum(data), _time.monotonic()))
+            got.append((expected, checksum(data)))
+            if progress is not None:
+                progress.put(i)
         out.put(got)
     finally:
         seg.close()
@@ -132,8 +136,12 @@ def _wait_all(name: str, n: int, size: int, push_id: int, out) -> None:
 
 def test_a_pipelined_push_is_read_bucket_by_bucket_as_the_ready_table_marks_them():
     """The reader takes bucket i as soon as it is marked, while later ones are still being written;
-    marks of an earlier push never pass for this one; a push given up stops the reader at once."""
-    import time
+    marks of an earlier push never pass for this one; a push given up stops the reader at once.
+
+    Ordered by the reader's own reports, not by sleeps: the writer writes bucket i+1 only after
+    the reader said it read bucket i, so a reader that waited for the whole push would leave the
+    writer waiting (and the test failing at its deadline) whatever the machine's speed."""
+    import queue
 
     n, size = 3, 4096
     seg = Segment.create(64 + n * size)
@@ -142,24 +150,22 @@ def test_a_pipelined_push_is_read_bucket_by_bucket_as_the_ready_table_marks_them
         for i in range(n):  # push 1 complete: its marks stay in the table
             table.mark(i, 1, 0)
         ctx = mp.get_context("spawn")
-        q = ctx.Queue()
-        p = ctx.Process(target=_wait_all, args=(seg.name, n, size, 2, q))
+        q, progress = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=_wait_all, args=(seg.name, n, size, 2, q, progress))
         p.start()
-        time.sleep(2.0)  # the reader is up and waiting: push 1's marks did not satisfy it
-        marked = []
+        assert progress.get(timeout=120) == "up"
+        # push 1's marks must not satisfy a reader of push 2: nothing read before push 2 writes
+        with pytest.raises(queue.Empty):
+            progress.get(timeout=0.5)
         for i in range(n):
             data = view[64 + i * size : 64 + (i + 1) * size]
             data.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
             table.mark(i, 2, checksum(data))
-            marked.append(time.monotonic())
-            time.sleep(0.5)
+            # the reader takes bucket i before bucket i+1 exists
+            assert progress.get(timeout=60) == i
         got = q.get(timeout=60)
         p.join(30)
-        assert [(e, c) for e, c, _ in got] == [
-            (checksum(view[64 + i * size : 64 + (i + 1) * size]),) * 2 for i in range(n)
-        ]
-        # bucket 0 was read before bucket 2 had been written: the reader did not wait for all
-        assert got[0][2] < marked[2]
+        assert got == [(checksum(view[64 + i * size : 64 + (i + 1) * size]),) * 2 for i in range(n)]
 
         p = ctx.Process(target=_wait_all, args=(seg.name, n, size, 3, q))
         p.start()

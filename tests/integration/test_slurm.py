@@ -107,6 +107,20 @@ def steps_done(run: Path | None) -> int:
     return max((r["step"] for r in records(run) if "reward_mean" in r), default=0) if run else 0
 
 
+def checkpoint_step(run: Path) -> int:
+    path = run / "checkpoints" / "coordinator.json"
+    try:
+        return int(json.loads(path.read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def _diagnose(env, job: str, out: Path, run: Path) -> str:
+    show = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True, timeout=30)
+    text = out.read_text()[-2000:] if out.exists() else "(none)"
+    return f"{show.stdout[-1500:]}\n--- {out.name}:\n{text}\n--- checkpoint step {checkpoint_step(run)}"
+
+
 def processes_of(run: Path) -> list[str]:
     """Live processes whose command line names this run's folder or runs_dir (its services)."""
     out = []
@@ -152,12 +166,20 @@ def test_two_jobs_train_side_by_side_and_one_survives_scancel_and_requeue(cluste
     assert saved["step"] >= 3, saved
     assert completed(d, b) == "CANCELLED"
 
-    # Resume B by sbatch; requeue it mid-run; it resumes again and completes.
+    # Resume B by sbatch; requeue it mid-run; it resumes again and completes. "Mid-run" is read
+    # from the checkpoint only the resumed job can write (metrics.jsonl may still hold B's
+    # records past its checkpoint until the resumed coordinator cuts them).
     b2 = sbatch(env, tmp_path / "b", "--resume", str(run_b))
-    wait_for(lambda: steps_done(run_b) >= saved["step"] + 2, 900)
+    out_b2 = tmp_path / "b" / f"job-{b2}.out"
+    wait_for(lambda: checkpoint_step(run_b) >= saved["step"] + 2, 900)
+    assert state(env, b2) == "RUNNING", _diagnose(env, b2, out_b2, run_b)
     subprocess.run(["scontrol", "requeue", b2], env=env, check=True, timeout=30)
+    try:
+        wait_for(lambda: "(restart 1)" in out_b2.read_text(), 300)
+    except AssertionError as e:
+        raise AssertionError(f"the requeued job did not start again: {_diagnose(env, b2, out_b2, run_b)}") from e
     wait_for(lambda: completed(d, b2) == "COMPLETED", 1800, every=5.0)
-    assert "requeued (restart 1): resuming" in (tmp_path / "b" / f"job-{b2}.out").read_text()
+    assert f"slurm: job {b2} requeued (restart 1): resuming {run_b}" in out_b2.read_text()
 
     # A: trained to completion, recorded COMPLETED, held-out accuracy up as the embedded run's.
     wait_for(lambda: completed(d, a) == "COMPLETED", 1800, every=5.0)

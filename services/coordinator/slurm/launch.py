@@ -284,9 +284,12 @@ def launch(cfg: ExperimentConfig, resume_dir: Path | None = None) -> Path:
     from relayrl.coordinator.run import run
 
     alloc = Allocation.from_env()
-    if resume_dir is None and (again := requeued_run(cfg, alloc)) is not None:
+    # A requeued job runs its script again with the same arguments: the run it started (the one
+    # it resumed included) is in its marker, with the checkpoint of its last steps.
+    if (again := requeued_run(cfg, alloc)) is not None:
         print(f"slurm: job {alloc.job_id} requeued (restart {alloc.restarts}): resuming {again}", flush=True)
-        from relayrl.coordinator.derive import load_experiment
+        if resume_dir is None:
+            from relayrl.coordinator.derive import load_experiment
 
-        cfg, resume_dir = load_experiment(again / "config.yaml"), again
+            cfg, resume_dir = load_experiment(again / "config.yaml"), again
     return run(cfg, resume_dir, services_factory=SlurmServices, prog="relayrl launch slurm")

@@ -116,7 +116,9 @@ def checkpoint_step(run: Path) -> int:
 
 
 def _diagnose(env, job: str, out: Path, run: Path) -> str:
-    show = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True, timeout=30)
+    show = subprocess.run(
+        ["scontrol", "show", "job", job], env=env, capture_output=True, text=True, timeout=30
+    )
     text = out.read_text()[-2000:] if out.exists() else "(none)"
     return f"{show.stdout[-1500:]}\n--- {out.name}:\n{text}\n--- checkpoint step {checkpoint_step(run)}"
 
@@ -177,7 +179,9 @@ def test_two_jobs_train_side_by_side_and_one_survives_scancel_and_requeue(cluste
     try:
         wait_for(lambda: "(restart 1)" in out_b2.read_text(), 300)
     except AssertionError as e:
-        raise AssertionError(f"the requeued job did not start again: {_diagnose(env, b2, out_b2, run_b)}") from e
+        raise AssertionError(
+            f"the requeued job did not start again: {_diagnose(env, b2, out_b2, run_b)}"
+        ) from e
     wait_for(lambda: completed(d, b2) == "COMPLETED", 1800, every=5.0)
     assert f"slurm: job {b2} requeued (restart 1): resuming {run_b}" in out_b2.read_text()
 

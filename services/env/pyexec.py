@@ -52,7 +52,7 @@ def observe(r: RunResult) -> ToolReply:
     >>> from dataclasses import replace
     >>> ok = RunResult(Verdict.OK, 0, None, "56088\\n", "", 0.03, False)
     >>> observe(ok)
-    ToolReply(text='56088', status=<ToolStatus.OK: 'ok'>)
+    ToolReply(text='56088\\n', status=<ToolStatus.OK: 'ok'>)
     >>> boom = replace(ok, verdict=Verdict.CRASHED, exit_code=1, stdout="",
     ...                    stderr="Traceback (most recent call last):\\nZeroDivisionError: division by zero\\n")
     >>> print(observe(boom).text)
@@ -64,9 +64,7 @@ def observe(r: RunResult) -> ToolReply:
     >>> observe(replace(ok, stdout="1" * 2500)).status
     <ToolStatus.OUTPUT_TRUNCATED: 'output_truncated'>
     """
-    # The line break that ends what a program prints is not part of the answer: "56088", as
-    # calc answers, not "56088\n" (a tiny model copying it out was measurably worse at it).
-    out = cut(r.stdout.removesuffix("\n"), MAX_OUTPUT_CHARS)
+    out = cut(r.stdout, MAX_OUTPUT_CHARS)
     was_cut = len(r.stdout) > MAX_OUTPUT_CHARS or r.truncated or r.verdict == Verdict.OUTPUT_TRUNCATED
     failed = r.verdict not in (Verdict.OK, Verdict.OUTPUT_TRUNCATED) or (r.exit_code or 0) != 0
     if not failed:

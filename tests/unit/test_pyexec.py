@@ -61,7 +61,7 @@ def test_the_program_prints_the_observation_and_the_reward_is_calcs():
     assert [t["function"]["name"] for t in PyExecEnv.tools] == ["python"]
     obs, done, results = env.step(_call("print(123 * 456)"))
     assert not done and results[0].status == ToolStatus.OK
-    assert obs == [{"role": "tool", "content": "56088", "tool_call_id": "c0", "name": "python"}]
+    assert obs == [{"role": "tool", "content": "56088\n", "tool_call_id": "c0", "name": "python"}]
     assert env.step(Action("The answer is 56088."))[1]
     r = env.reward()
     assert r.reward == 1.0 and r.outcome == Outcome.OK
@@ -106,7 +106,7 @@ def test_a_program_that_fails_is_an_observation_and_the_episode_goes_on(result, 
     assert says in obs[0]["content"] and len(obs[0]["content"]) < 3000
     assert not env.tool_timed_out  # answered: the model saw it, so the episode trains
     obs, done, _ = env.step(_call("print(123 * 456)", 1))  # the model fixes its program
-    assert obs[0]["content"] == "56088" and not done
+    assert obs[0]["content"] == "56088\n" and not done
 
 
 def test_bad_arguments_never_reach_the_sandbox():
@@ -148,7 +148,7 @@ async def test_the_session_table_redoes_an_episode_whose_sandbox_failed():
 
 async def test_the_session_table_hands_its_sandbox_to_the_env():
     out, reward = await _episode(StandIn({"print(123 * 456)": _ok("56088\n")}))
-    assert out.observations[0]["content"] == "56088" and not out.done
+    assert out.observations[0]["content"] == "56088\n" and not out.done
     assert reward.outcome == Outcome.OK  # no final answer: 0, a real reward
 
 
@@ -159,7 +159,7 @@ def test_the_real_sandbox_runs_the_models_program():
     env.sandbox = Sandbox.from_config(SandboxConfig(workers=1))
     env.reset(TASK, 0)
     obs, _, results = env.step(_call("import math\nprint(math.prod([123, 456]))"))
-    assert (obs[0]["content"], results[0].status) == ("56088", ToolStatus.OK)
+    assert (obs[0]["content"], results[0].status) == ("56088\n", ToolStatus.OK)
     obs, _, results = env.step(_call("print(open('/etc/shadow').read())", 1))
     assert results[0].status == ToolStatus.CRASHED and "Error" in obs[0]["content"]
 
@@ -214,7 +214,7 @@ async def test_a_replica_serves_pyexec_on_request_with_its_sandbox():
     config = EnvConfig(plugins=["relayrl.env.pyexec:PyExecEnv"], sandbox={"workers": 1})
     seen, closed = await _served(config, ["print(123 * 456)", "print(1 / 0)"])
     ok, crashed = e.ToolStatus.TOOL_STATUS_OK, e.ToolStatus.TOOL_STATUS_CRASHED
-    assert seen[0] == [("56088", ok)]
+    assert seen[0] == [("56088\n", ok)]
     assert seen[1][0][1] == crashed and "ZeroDivisionError" in seen[1][0][0]  # the model's: it goes on
     assert closed.outcome == e.OUTCOME_OK and closed.reward == 1.0
     assert dict(closed.components) == {"correctness": 1.0, "tool_calls": 2.0, "turns": 3.0}

@@ -98,9 +98,9 @@ def test_the_pyexec_tool_branch_runs_print_a_times_b_in_the_sandbox(codec, sandb
     call = f'<tool_call>\n{{"name": "python", "arguments": {{"code": "print({expression})"}}}}\n</tool_call><|im_end|>'
     answer = row["reward_model"]["ground_truth"]
     assert _model_text(codec, trace) == [call, f"The answer is {answer}.<|im_end|>"]
-    assert f"<tool_response>\n{answer}\n</tool_response>" in codec.decode(
+    assert f"<tool_response>\n{answer}\n\n</tool_response>" in codec.decode(
         trace.ids
-    )  # stdout without the line break that ends it, as calc's answer reads
+    )  # stdout, its newline kept
     assert "python tool" in codec.decode(trace.ids[:40])  # pyexec's own system message
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from relayrl.common.config import StrictModel
 from relayrl.common.serving import ClientSecurity, ServeConfig
 
@@ -164,6 +164,13 @@ class LearnerConfig(StrictModel):
     padded to the longest. auto: packed where the model's attention allows it (it takes an
     attention function through transformers' AttentionInterface and has no sliding-window
     layers), padded otherwise; on: packed, or refuse to start; off: padded."""
+
+    @field_validator("packing", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, v: object) -> object:
+        # YAML 1.1 reads a bare `on`/`off` (in a file or `--set learner.packing=on`) as a boolean.
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     head_calls: Literal["per_micro_batch", "per_step"] = "per_step"

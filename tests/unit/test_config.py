@@ -355,3 +355,19 @@ def test_a_lora_learner_gets_generators_that_take_its_adapter(tmp_path):
     assert resolve_paths(exp(engine={"max_lora_rank": 64}), tmp_path).generator.engine.max_lora_rank == 64
     with pytest.raises(ConfigError, match="max_lora_rank 16 is below learner.lora.rank 32"):
         resolve_paths(exp(engine={"max_lora_rank": 16}), tmp_path)
+
+
+def test_packing_on_and_off_mean_what_they_say_in_yaml_and_in_set():
+    """YAML 1.1 reads a bare `on`/`off` as a boolean: `learner.packing: on` in a file or
+    `--set learner.packing=on` must still mean "on", not fail as "got True"."""
+    from relayrl.learner.config import LearnerConfig
+
+    base = {"model": {"path": "m"}, "data": {"train": "t"}}
+    for word in ("on", "off"):
+        data = {**base, **read_yaml_text(f"learner: {{packing: {word}}}\n")}
+        assert ExperimentConfig.model_validate(data).learner.packing == word
+        over = apply_overrides(dict(base), [f"learner.packing={word}"])
+        assert ExperimentConfig.model_validate(over).learner.packing == word
+    assert LearnerConfig.model_validate({"packing": "auto"}).packing == "auto"
+    with pytest.raises(ValueError, match="packing"):
+        LearnerConfig.model_validate({"packing": 3})

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from relayrl.common.data.tasks import generate
-from relayrl.common.modelkit.episodes import Trace, episode_trace, load, play, train_traces
+from relayrl.common.modelkit.episodes import Trace, episode_trace, load, play, reproduced, train_traces
 from relayrl.env.base import Action, ToolCall, ToolStatus
 from relayrl.env.calc import CalcEnv
 from relayrl.env.pyexec import PyExecEnv
@@ -47,6 +47,10 @@ from relayrl.generator.toolcalls import Parse, openai_tool_call, parse_tool_call
 logger = logging.getLogger(__name__)
 
 TOOL_FORMAT = "hermes"
+TOOL_BAR = 0.7
+"""Share of held-out tool episodes a warm start must reproduce (``episodes.reproduced``) before
+it stops: builds that learned to copy reached 0.83 at 500 steps, builds that sat on the loss
+plateau 0.0, a weak one 0.34 (seeds 0-2 of calc and pyexec, 2026-11-27)."""
 MAX_NEW_TOKENS = 48
 """Longest turn in the held-out episodes (a calc call is about 30 tokens, a python call 31)."""
 
@@ -201,6 +205,10 @@ def start_sandbox(task: str) -> Any:
     return sandbox
 
 
+class WarmStartShort(RuntimeError):
+    """The warm start ran its most steps and the model still does not play the tool branch."""
+
+
 def warm_start_episodes(
     out: Path,
     task: str,
@@ -210,30 +218,70 @@ def warm_start_episodes(
     batch_size: int,
     tool_share: float,
     n_heldout: int,
+    tool_bar: float = 0.0,
+    max_steps: int | None = None,
 ) -> dict[str, float]:
     """Train the model folder ``out`` in place on the task's traces; save it; the held-out
     measure. The traces' tool calls run as the env runs them (pyexec's in a sandbox, a few at
-    once)."""
+    once). With ``tool_bar``, training goes on past ``steps`` (100 at a time, up to
+    ``max_steps``) until the model reproduces that share of held-out tool episodes
+    (``episodes.reproduced``: every token after the first, teacher-forced); WarmStartShort when
+    it never does: RL from such a model gets no reward on either branch, so no signal."""
     import torch
 
     torch.manual_seed(seed)
     model, tokenizer = load(out)
     codec = ChatCodec(tokenizer)
     sandbox = start_sandbox(task)
+    # The steps past ``steps`` draw from the same traces: a build that passes at ``steps`` is the
+    # build a fixed count made.
     rows = generate("calc", min(steps * batch_size, 8192), seed=seed, split="train")
     pick = random.Random(seed)
     branches = [pick.random() < tool_share for _ in rows]
+    test = generate("calc", n_heldout, seed=seed, split="test")
     with ThreadPoolExecutor(4) as pool:  # pyexec's calls wait on the sandbox, not the GIL
         episodes = list(
             pool.map(lambda i: tool_episode(rows[i], seed + i, branches[i], task, sandbox), range(len(rows)))
         )
+        checks = list(
+            pool.map(lambda i: tool_episode(test[i], seed + i, True, task, sandbox), range(len(test)))
+        )
     traces = [episode_trace(codec, first, TASKS[task].tools(), turns) for first, turns in episodes]
-    loss = train_traces(model, traces, tokenizer.pad_token_id, steps, seed, lr, batch_size)
+    held = [episode_trace(codec, first, TASKS[task].tools(), turns) for first, turns in checks]
+    measured: list[float] = []
+
+    def passed() -> bool:
+        measured.append(reproduced(model, held, tokenizer.pad_token_id))
+        logger.info("held-out tool episodes reproduced: %.3f (bar %.2f)", measured[-1], tool_bar)
+        return measured[-1] >= tool_bar
+
+    loss, ran = train_traces(
+        model,
+        traces,
+        tokenizer.pad_token_id,
+        steps,
+        seed,
+        lr,
+        batch_size,
+        passed if tool_bar else None,
+        max_steps,
+    )
+    if tool_bar and not (measured and measured[-1] >= tool_bar) and not passed():  # the last steps' model
+        raise WarmStartShort(
+            f"after {ran} warm-start steps the model reproduces {measured[-1]:.2f} of held-out {task} tool "
+            f"episodes, under the bar of {tool_bar:.2f}: RL would get no reward to learn from. Raise "
+            "model.tiny.sft_max_steps, try another model.tiny.seed, or set model.tiny.sft_tool_bar: 0 to keep it"
+        )
     model.save_pretrained(out, safe_serialization=True)
-    test = generate("calc", n_heldout, seed=seed, split="test")
     greedy = heldout(model, codec, test, seed, task=task, sandbox=sandbox)
     sampled = heldout(model, codec, test, seed, sampled=True, task=task, sandbox=sandbox)
-    return {"final_loss": loss, **greedy, "sampled": sampled}
+    return {
+        "final_loss": loss,
+        "steps": ran,
+        "tool_reproduced": measured[-1] if measured else reproduced(model, held, tokenizer.pad_token_id),
+        **greedy,
+        "sampled": sampled,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,19 +296,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--tool-share", type=float, default=0.5, help="share of traces on the tool branch")
     p.add_argument("--heldout", type=int, default=64, help="held-out episodes played after SFT")
+    p.add_argument(
+        "--tool-bar",
+        type=float,
+        default=TOOL_BAR,
+        help="train past --sft-steps until this share of held-out tool episodes is reproduced (0: never)",
+    )
+    p.add_argument(
+        "--max-steps", type=int, default=None, help="most steps with --tool-bar (default 4 x --sft-steps)"
+    )
     args = p.parse_args(argv)
+    if not 0 <= args.tool_bar <= 1 or args.sft_steps < 0 or (args.max_steps or 0) < 0:
+        p.error("--tool-bar must be in [0, 1], --sft-steps and --max-steps >= 0")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     t0 = time.monotonic()
     out = write_tiny_model(
         args.out, seed=args.seed, tools=True, extra_corpus=tool_corpus(args.seed, args.task)
     )
-    res = warm_start_episodes(
-        out, args.task, args.seed, args.sft_steps, args.sft_lr, args.batch_size, args.tool_share, args.heldout
-    )
+    try:
+        res = warm_start_episodes(
+            out,
+            args.task,
+            args.seed,
+            args.sft_steps,
+            args.sft_lr,
+            args.batch_size,
+            args.tool_share,
+            args.heldout,
+            args.tool_bar,
+            4 * args.sft_steps if args.max_steps is None else args.max_steps,
+        )
+    except WarmStartShort as e:
+        print(f"warm start failed: {e}", file=sys.stderr, flush=True)
+        return 3
     update_card(
         out,
         sft_task=args.task,
-        sft_steps=args.sft_steps,
+        sft_steps=res["steps"],
         sft_tool_share=args.tool_share,
         sft_final_loss=res["final_loss"],
         sft_heldout_exact=res["accuracy"],
@@ -272,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         f"tool {f(r['accuracy_with_tool'])}, without {f(r['accuracy_without_tool'])}; n={r['n']})"
     )
     print(
-        f"warm-started on {args.task} episodes: {args.sft_steps} steps, loss {res['final_loss']:.4f}; held-out "
+        f"warm-started on {args.task} episodes: {res['steps']} steps, loss {res['final_loss']:.4f}, held-out tool "
+        f"episodes reproduced {res['tool_reproduced']:.3f}; held-out "
         f"greedy: {line(res)}; sampled: {line(res['sampled'])} ({time.monotonic() - t0:.1f}s)",
         flush=True,
     )

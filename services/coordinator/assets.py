@@ -80,7 +80,9 @@ def build_episode_model(model: Path, t: TinyModelSpec) -> None:
     shutil.rmtree(part, ignore_errors=True)
     cmd = [sys.executable, "-m", "relayrl.warmstart", "--out", str(part), "--task", str(t.task)]
     cmd += ["--seed", str(t.seed), "--sft-steps", str(t.sft_steps), "--sft-lr", str(t.sft_lr)]
-    cmd += ["--tool-share", str(t.tool_share)]
+    cmd += ["--tool-share", str(t.tool_share), "--tool-bar", str(t.sft_tool_bar)]
+    if t.sft_max_steps is not None:
+        cmd += ["--max-steps", str(t.sft_max_steps)]
     done = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)  # its progress on our stdout
     if done.returncode:
         raise RuntimeError(f"building the tiny {t.task} model failed: {done.stderr[-2000:]}")

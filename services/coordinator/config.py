@@ -42,6 +42,14 @@ class TinyModelSpec(StrictModel):
     call the tool (the rest answer at once). Their warm start is multi-turn
     (``relayrl.warmstart``): episodes rendered through the generator's chat codec, loss on the
     model's turns only, and the tokenizer learns the env's tool text too."""
+    sft_tool_bar: float = Field(0.7, ge=0, le=1)
+    """Tasks of an env with tools: past ``sft_steps``, train on 100 steps at a time until the model
+    reproduces this share of held-out tool episodes token for token after their first token
+    (teacher-forced), and fail the build when ``sft_max_steps`` pass first. A tiny model can sit
+    on a loss plateau for hundreds of steps before it learns to copy the question into its call;
+    RL from there gets no reward on either branch. 0: exactly ``sft_steps``."""
+    sft_max_steps: int | None = Field(None, ge=0, le=100_000)
+    """Most warm-start steps with ``sft_tool_bar``; None: 4 x ``sft_steps``."""
 
 
 EPISODE_WARM_STARTS = ("calc", "pyexec")

@@ -38,7 +38,7 @@ N = 3
 def model(tmp_path_factory):
     pytest.importorskip("vllm")
     out = tmp_path_factory.mktemp("gw-model") / "calc"
-    cmd = [sys.executable, "-m", "relayrl.warmstart", "--out", str(out), "--task", "calc", "--sft-steps", "150",
+    cmd = [sys.executable, "-m", "relayrl.warmstart", "--out", str(out), "--task", "calc", "--sft-steps", "150", "--tool-bar", "0",
            "--tool-share", "0.9", "--heldout", "4"]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
     return out

@@ -287,9 +287,11 @@ def test_a_calc_tiny_model_is_built_by_the_warm_start_process_and_moved_in_when_
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr(assets.subprocess, "run", run)
-    assets.build_episode_model(tmp_path / "m", TinyModelSpec(task="calc", sft_steps=7, tool_share=0.25))
+    spec = TinyModelSpec(task="calc", sft_steps=7, tool_share=0.25, sft_tool_bar=0.5, sft_max_steps=9)
+    assets.build_episode_model(tmp_path / "m", spec)
     (cmd,) = seen
     assert cmd[1:4] == ["-m", "relayrl.warmstart", "--out"] and "--sft-steps" in cmd and "0.25" in cmd
+    assert cmd[cmd.index("--tool-bar") + 1] == "0.5" and cmd[cmd.index("--max-steps") + 1] == "9"
     assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["config.json", "model.safetensors"]
     assert not (tmp_path / "m.part").exists()
 
@@ -317,3 +319,78 @@ def test_the_shared_prefix_runs_once_with_the_same_loss_and_gradients(codec):
     (l0, g0), (l1, g1) = grads
     assert abs(l0 - l1) < 1e-5
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g0, g1, strict=True))
+
+
+class _Oracle:
+    """A stand-in model whose argmax after each position of the n-th sequence it is given is
+    ``truth[n]``'s next token."""
+
+    def __init__(self, truth: list[list[int]], vocab: int = 16):
+        self.truth, self.vocab, self.seen = truth, vocab, 0
+
+    def train(self, mode: bool = True):
+        return self
+
+    def __call__(self, input_ids, attention_mask):
+        import torch
+
+        logits = torch.zeros((*input_ids.shape, self.vocab))
+        for i in range(input_ids.shape[0]):
+            for k, t in enumerate(self.truth[self.seen + i][1:]):
+                logits[i, k, t] = 1.0
+        self.seen = (self.seen + input_ids.shape[0]) % len(self.truth)
+        return SimpleNamespace(logits=logits)
+
+
+def test_reproduced_counts_traces_whose_trained_tokens_after_the_first_are_all_argmax():
+    from relayrl.common.modelkit.episodes import Trace, reproduced
+
+    mask = [0, 0, 1, 1, 0, 1]
+    traces = [Trace([1, 2, 3, 4, 5, 6], mask)] * 4
+    model = _Oracle(
+        [
+            [1, 2, 3, 4, 5, 6],  # every token
+            [1, 2, 9, 4, 5, 6],  # the first trained token (the branch) only is wrong
+            [1, 2, 3, 4, 5, 9],  # a later trained token is wrong
+            [1, 2, 3, 4, 9, 6],  # an untrained token (the env's) is wrong
+        ]
+    )
+    assert reproduced(model, traces, pad_id=0) == 3 / 4
+    assert reproduced(model, traces, pad_id=0, skip=0) == 2 / 4
+    assert reproduced(model, traces, pad_id=0, batch_size=1) == 3 / 4
+
+
+def test_training_goes_on_past_its_steps_until_the_check_passes_or_the_most_steps(codec):
+    import torch
+    from relayrl.common.modelkit.episodes import train_traces
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    traces = [tool_trace(codec, r, i, i % 2 == 0) for i, r in enumerate(ROWS)]
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=576, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=1024,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(cfg)
+    pad = codec.tokenizer.pad_token_id
+    answers = iter([False, False, True])
+    calls = []
+    passed = lambda: calls.append(1) or next(answers)  # noqa: E731
+    _, ran = train_traces(model, traces, pad, 2, 0, 1e-3, 2, passed, max_steps=20, check_every=3)
+    assert ran == 2 + 3 + 3 and len(calls) == 3
+    calls.clear()
+    _, ran = train_traces(model, traces, pad, 2, 0, 1e-3, 2, lambda: calls.append(1) or False, 6, 3)
+    assert ran == 6 and len(calls) == 2  # checked at 2 and 5; at 6, the most, the caller checks
+    _, ran = train_traces(model, traces, pad, 2, 0, 1e-3, 2)
+    assert ran == 2
+
+
+def test_a_warm_start_that_never_reaches_its_bar_fails_naming_what_to_change(tmp_path, capsys):
+    from relayrl.warmstart import main
+
+    argv = ["--out", str(tmp_path / "m"), "--task", "calc", "--sft-steps", "1", "--max-steps", "2"]
+    argv += ["--batch-size", "2", "--heldout", "2", "--tool-bar", "1"]
+    assert main(argv) == 3
+    err = capsys.readouterr().err
+    assert "after 2 warm-start steps" in err and "under the bar of 1.00" in err
+    assert "sft_max_steps" in err and "sft_tool_bar: 0" in err

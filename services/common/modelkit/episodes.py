@@ -134,12 +134,24 @@ def batch_loss(model, traces: Sequence[Trace], pad_id: int, shared: int = 0):
 
 
 def train_traces(
-    model, traces: Sequence[Trace], pad_id: int, steps: int, seed: int, lr: float, batch_size: int
-) -> float:
-    """``steps`` AdamW steps of cross-entropy on the traces' masked tokens (linear warm-up over
-    the first tenth); the last loss. The tokens all traces share (``shared_prefix``) run once per
-    batch and their keys and values are repeated for every trace: the same loss and gradients
-    as a forward pass over whole traces, a few times faster when the prefix is most of a trace."""
+    model,
+    traces: Sequence[Trace],
+    pad_id: int,
+    steps: int,
+    seed: int,
+    lr: float,
+    batch_size: int,
+    passed: Callable[[], bool] | None = None,
+    max_steps: int | None = None,
+    check_every: int = 100,
+) -> tuple[float, int]:
+    """AdamW steps of cross-entropy on the traces' masked tokens (linear warm-up over the first
+    tenth of ``steps``); (the last loss, the steps run). ``steps`` of them, then, with ``passed``,
+    ``check_every`` more at a time until ``passed()`` or ``max_steps``: a tiny model can sit on a
+    loss plateau for hundreds of steps before it learns to copy, and a fixed count stops some
+    seeds on it. The tokens all traces share (``shared_prefix``) run once per batch and their
+    keys and values are repeated for every trace: the same loss and gradients as a forward pass
+    over whole traces, a few times faster when the prefix is most of a trace."""
     import torch
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -148,8 +160,9 @@ def train_traces(
     order = random.Random(seed)
     shared = shared_prefix(traces)
     model.train()
-    loss_value = float("nan")
-    for step in range(steps):
+    loss_value, step, goal = float("nan"), 0, steps
+    limit = max(steps, max_steps or steps)
+    while step < goal:
         batch = order.sample(list(traces), batch_size) if len(traces) > batch_size else list(traces)
         loss = batch_loss(model, batch, pad_id, shared)
         opt.zero_grad(set_to_none=True)
@@ -158,9 +171,34 @@ def train_traces(
         opt.step()
         sched.step()
         loss_value = loss.item()
-        if step % 25 == 0 or step == steps - 1:
-            logger.info("episode sft step %d/%d loss %.4f", step + 1, steps, loss_value)
-    return loss_value
+        step += 1
+        if step % 25 == 1 or step == goal:
+            logger.info("episode sft step %d/%d loss %.4f", step, goal, loss_value)
+        if step == goal and passed is not None and goal < limit and not passed():
+            goal = min(limit, goal + check_every)
+    return loss_value, step
+
+
+def reproduced(model, traces: Sequence[Trace], pad_id: int, skip: int = 1, batch_size: int = 32) -> float:
+    """Share of ``traces`` whose trained tokens, after each trace's first ``skip`` (the branch an
+    episode takes), are all the model's argmax given the trace before them: the episodes greedy
+    decoding plays token for token once it has taken their first token. One teacher-forced
+    forward pass per batch, no generation: a cheap held-out check of what a warm start learned
+    (copying the question into a call, the tool's answer into the reply)."""
+    import torch
+
+    hits = 0
+    model.train(False)
+    with torch.no_grad():
+        for start in range(0, len(traces), batch_size):
+            chunk = traces[start : start + batch_size]
+            ids, labels, attention = _batch(chunk, pad_id)
+            pred = model(input_ids=ids, attention_mask=attention).logits.argmax(-1)
+            for i, t in enumerate(chunk):
+                trained = [k for k, m in enumerate(t.mask) if m][skip:]
+                hits += all(int(pred[i, k - 1]) == t.ids[k] for k in trained)
+    model.train()
+    return hits / max(1, len(traces))
 
 
 class Player(Protocol):

@@ -296,20 +296,33 @@ def test_a_calc_tiny_model_is_built_by_the_warm_start_process_and_moved_in_when_
     assert not (tmp_path / "m.part").exists()
 
 
+def _tiny_qwen2(hidden: int, layers: int):
+    """A random Qwen2 over the calc tokenizer's ids, seeded."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=576,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=1024,
+        )
+    )
+
+
 def test_the_shared_prefix_runs_once_with_the_same_loss_and_gradients(codec):
     import torch
     from relayrl.common.modelkit.episodes import batch_loss, shared_prefix
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     traces = [tool_trace(codec, r, i, i % 2 == 0) for i, r in enumerate(ROWS)]
     shared = shared_prefix(traces)
     assert shared > 200 and all(t.ids[:shared] == traces[0].ids[:shared] for t in traces)
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=576, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=1024,
-    )  # fmt: skip
-    model = Qwen2ForCausalLM(cfg)
+    model = _tiny_qwen2(hidden=64, layers=2)
     grads = []
     for n in (0, shared):
         model.zero_grad()
@@ -361,17 +374,10 @@ def test_reproduced_counts_traces_whose_trained_tokens_after_the_first_are_all_a
 
 
 def test_training_goes_on_past_its_steps_until_the_check_passes_or_the_most_steps(codec):
-    import torch
     from relayrl.common.modelkit.episodes import train_traces
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     traces = [tool_trace(codec, r, i, i % 2 == 0) for i, r in enumerate(ROWS)]
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=576, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=1024,
-    )  # fmt: skip
-    model = Qwen2ForCausalLM(cfg)
+    model = _tiny_qwen2(hidden=32, layers=1)
     pad = codec.tokenizer.pad_token_id
     answers = iter([False, False, True])
     calls = []

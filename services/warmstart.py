@@ -37,6 +37,7 @@ from typing import Any
 
 from relayrl.common.data.tasks import generate
 from relayrl.common.modelkit.episodes import Trace, episode_trace, load, play, reproduced, train_traces
+from relayrl.coordinator.config import TinyModelSpec
 from relayrl.env.base import Action, ToolCall, ToolStatus
 from relayrl.env.calc import CalcEnv
 from relayrl.env.pyexec import PyExecEnv
@@ -47,10 +48,6 @@ from relayrl.generator.toolcalls import Parse, openai_tool_call, parse_tool_call
 logger = logging.getLogger(__name__)
 
 TOOL_FORMAT = "hermes"
-TOOL_BAR = 0.7
-"""Share of held-out tool episodes a warm start must reproduce (``episodes.reproduced``) before
-it stops: builds that learned to copy reached 0.83 at 500 steps, builds that sat on the loss
-plateau 0.0, a weak one 0.34 (seeds 0-2 of calc and pyexec, 2026-11-27)."""
 MAX_NEW_TOKENS = 48
 """Longest turn in the held-out episodes (a calc call is about 30 tokens, a python call 31)."""
 
@@ -255,18 +252,11 @@ def warm_start_episodes(
         logger.info("held-out tool episodes reproduced: %.3f (bar %.2f)", measured[-1], tool_bar)
         return measured[-1] >= tool_bar
 
+    # Bar 0 passes at the first check, after exactly ``steps``.
     loss, ran = train_traces(
-        model,
-        traces,
-        tokenizer.pad_token_id,
-        steps,
-        seed,
-        lr,
-        batch_size,
-        passed if tool_bar else None,
-        max_steps,
+        model, traces, tokenizer.pad_token_id, steps, seed, lr, batch_size, passed, max_steps
     )
-    if tool_bar and not (measured and measured[-1] >= tool_bar) and not passed():  # the last steps' model
+    if not (measured and measured[-1] >= tool_bar) and not passed():  # the model of the last steps, unchecked
         raise WarmStartShort(
             f"after {ran} warm-start steps the model reproduces {measured[-1]:.2f} of held-out {task} tool "
             f"episodes, under the bar of {tool_bar:.2f}: RL would get no reward to learn from. Raise "
@@ -278,7 +268,7 @@ def warm_start_episodes(
     return {
         "final_loss": loss,
         "steps": ran,
-        "tool_reproduced": measured[-1] if measured else reproduced(model, held, tokenizer.pad_token_id),
+        "tool_reproduced": measured[-1],
         **greedy,
         "sampled": sampled,
     }
@@ -299,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--tool-bar",
         type=float,
-        default=TOOL_BAR,
+        default=TinyModelSpec.model_fields["sft_tool_bar"].default,  # one default: the experiment's
         help="train past --sft-steps until this share of held-out tool episodes is reproduced (0: never)",
     )
     p.add_argument(

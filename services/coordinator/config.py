@@ -47,7 +47,8 @@ class TinyModelSpec(StrictModel):
     reproduces this share of held-out tool episodes token for token after their first token
     (teacher-forced), and fail the build when ``sft_max_steps`` pass first. A tiny model can sit
     on a loss plateau for hundreds of steps before it learns to copy the question into its call;
-    RL from there gets no reward on either branch. 0: exactly ``sft_steps``."""
+    RL from there gets no reward on either branch. 0: exactly ``sft_steps``. Measured (calc and
+    pyexec, seeds 0-2): builds that learned to copy reproduce 0.83-0.91, the plateau 0.0."""
     sft_max_steps: int | None = Field(None, ge=0, le=100_000)
     """Most warm-start steps with ``sft_tool_bar``; None: 4 x ``sft_steps``."""
 

@@ -229,7 +229,9 @@ class HarnessEnv(Env):
             env["RELAYRL_GATEWAY_SOCKET"] = SANDBOX_SOCKET
         bootstrap = _source(str(AGENTS / "bootstrap.py"))
         try:
-            return self.sandbox.run_sync(bootstrap, json.dumps(spec), limits, files, binds=binds, env=env)
+            return self.sandbox.run_sync(
+                bootstrap, json.dumps(spec), limits, files, binds=binds, env=env, deadline=self.deadline
+            )
         except SandboxUnavailable as e:
             raise EnvUnavailable(f"the sandbox cannot run the agent: {e}", "sandbox_unavailable") from None
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from relayrl.common.sandbox import RunResult, SandboxUnavailable, Verdict
 from relayrl.env.base import EnvUnavailable, ToolStatus
 from relayrl.env.calc import CalcTask
-from relayrl.env.tools import ToolEnv, ToolReply, cut, tool
+from relayrl.env.tools import ToolEnv, ToolReply, call_deadline, cut, tool
 
 MAX_CODE_CHARS = 4000
 """A longer program is refused unrun (INVALID_ARGS): a multiplication takes one line."""
@@ -109,6 +109,6 @@ class PyExecEnv(CalcTask, ToolEnv):
         if len(code) > MAX_CODE_CHARS:
             raise ValueError(f"code is longer than {MAX_CODE_CHARS} characters")
         try:
-            return observe(self.sandbox.run_sync(code))
+            return observe(self.sandbox.run_sync(code, deadline=call_deadline()))
         except SandboxUnavailable as e:
             raise EnvUnavailable(f"the sandbox cannot run programs: {e}", "sandbox_unavailable") from None

@@ -16,7 +16,11 @@ Invariants:
   raises or overruns ends the episode and Close answers REDO ("env_crashed", "env_timeout").
 * A session no call touched for ``lease_seconds`` is expired by the reaper (its env closed);
   closed and expired sessions are remembered ``closed_keep_seconds`` (a retried Close gets the
-  same answer, a late Step a NOT_FOUND that says why), then forgotten.
+  same answer, a late Step a NOT_FOUND that says why), then forgotten: only their answer, the env
+  itself is freed at once, and at most ``max_sessions`` of them (the oldest go first).
+* Tool calls carry their deadline into the sandbox (``tools.call_deadline``): what a call that
+  timed out left queued or running there is dropped or killed at that deadline, so it never
+  delays another session's call.
 """
 
 from __future__ import annotations
@@ -447,6 +451,10 @@ class SessionTable:
         s.gone, s.ended_at = why, time.monotonic()
         self.live.pop(s.id, None)
         self.ended[s.id] = s
+        while len(self.ended) > self.config.max_sessions:  # the oldest ended first (insertion order)
+            old = self.ended.pop(next(iter(self.ended)))
+            if self.by_key.get(old.key) is old:
+                del self.by_key[old.key]
         # A Reset of its (episode, attempt) now opens a new session: a retried Reset only ever
         # races a live one, and a caller that reuses ids after Close (an evaluation repeated)
         # must get a fresh episode, never the closed one.
@@ -455,11 +463,13 @@ class SessionTable:
         metrics.SESSIONS_OPEN.set(len(self.live))
 
     async def _free(self, s: Session) -> None:
-        """``env.close()``, bounded; a failure is logged, never raised."""
-        if s.env is None:
+        """``env.close()``, bounded, then the env dropped (an ended session keeps only its
+        answer); a failure is logged, never raised."""
+        env, s.env, s.last = s.env, None, None
+        if env is None:
             return
         try:
-            await self._run(s.env.close, self.config.step_timeout_seconds)
+            await self._run(env.close, self.config.step_timeout_seconds)
         except _Overran:
             logger.warning("session %s (%s): close ran past its time limit", s.id, s.spec.name)
         except Exception:

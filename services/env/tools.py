@@ -11,6 +11,9 @@ is raised on, and the episode is redone. Each call runs in a thread of its own,
 joined with its time limit (``Limits.tool_timeout_seconds``, and no later than the step's
 deadline); a call still running then is left behind (Python cannot stop a thread), the env's
 later calls are not run beside it (``ToolEnv`` ends the episode) and ``settle`` waits for it.
+Inside the call, ``call_deadline()`` is when that limit ends: work the tool hands on (a sandbox
+job) carries it, so that what a call left behind is dropped or killed then, and never holds a
+worker that a live call needs.
 
 ``ToolEnv`` is the base of envs whose tools are methods marked ``@tool``: a turn with calls is
 answered call by call and the episode goes on; a turn without calls is the final answer.
@@ -191,12 +194,27 @@ def render_output(value: object, max_chars: int) -> tuple[str, bool]:
     return (text, False) if len(text) <= max_chars else (cut(text, max_chars), True)
 
 
+_CALL = threading.local()
+
+
+def call_deadline() -> float | None:
+    """``time.monotonic()`` at which the tool call running in this thread is given up (None
+    outside a call): pass it on to work the call waits for (``Sandbox.run_sync(deadline=...)``).
+
+    >>> call_deadline() is None
+    True
+    """
+    return getattr(_CALL, "deadline", None)
+
+
 def _run_limited(fn: Callable, args: dict, limit: float) -> tuple[str, object, threading.Thread]:
     """Run ``fn(**args)`` in a thread of its own for up to ``limit`` seconds.
     Returns ("ok", value, t), ("raised", exception, t) or ("timeout", None, t) with t still alive."""
     box: dict[str, object] = {}
+    deadline = time.monotonic() + limit
 
     def target() -> None:
+        _CALL.deadline = deadline
         try:
             box["value"] = fn(**args)
         except BaseException as e:  # a tool's SystemExit must not end anything but its call

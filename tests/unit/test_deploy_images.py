@@ -773,7 +773,16 @@ def test_compose_env_service_alone_may_make_namespaces_for_its_sandbox(secrets_d
     denied = {n for rule in profile["syscalls"] for n in rule["names"] if rule["action"] != "SCMP_ACT_ALLOW"}
     assert profile["defaultAction"] == "SCMP_ACT_ALLOW"
     assert not denied & {"clone", "clone3", "unshare", "mount", "umount2", "pivot_root", "setns"}
-    assert {"bpf", "kexec_load", "init_module", "ptrace", "keyctl", "io_uring_setup"} <= denied
+    assert {"bpf", "kexec_load", "init_module", "ptrace", "keyctl", "io_uring_setup", "io_setup"} <= denied
+    vsock = [r for r in profile["syscalls"] if r["names"] == ["socket"]]  # AF_VSOCK ignores netns
+    assert vsock == [
+        {
+            "names": ["socket"],
+            "args": [{"index": 0, "value": 40, "op": "SCMP_CMP_EQ"}],
+            "action": "SCMP_ACT_ERRNO",
+            "errnoRet": 97,
+        }
+    ]
     assert config.sandbox.tier == "full" and config.sandbox.proc is False
     env_stage = " ".join(_instr(dockerfile_stages()[ENV], "RUN"))
     assert "apt-get install -y --no-install-recommends bubblewrap" in env_stage

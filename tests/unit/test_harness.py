@@ -194,7 +194,13 @@ PROBE = """
 import json, os, socket, urllib.request
 spec = json.load(open(0))
 port, gateway_port = (int(x) for x in spec["messages"][-1]["content"].split())
-seen = {"interfaces": sorted(n for _, n in socket.if_nameindex())}
+seen = {"interfaces": []}
+for name in HOST_INTERFACES:  # looked up by name: the sandbox refuses netlink, so it lists none
+    try:
+        socket.if_nametoindex(name)
+        seen["interfaces"].append(name)
+    except OSError:
+        pass
 for name, where in (("listener", port), ("gateway_direct", gateway_port)):
     s = socket.socket()
     s.settimeout(1)
@@ -208,7 +214,7 @@ req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions"
 seen["via_gateway"] = json.load(urllib.request.urlopen(req, timeout=10))["choices"][0]["message"]["content"]
 seen["base_url"] = os.environ["OPENAI_BASE_URL"]
 print(json.dumps({"final": json.dumps(seen), "turns": 1, "tool_calls": 0, "truncated": False}))
-"""
+""".replace("HOST_INTERFACES", repr(sorted(n for _, n in socket.if_nameindex())))
 
 
 @needs_bwrap

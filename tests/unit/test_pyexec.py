@@ -32,7 +32,7 @@ class StandIn:
     def __init__(self, answers: dict[str, RunResult | Exception]):
         self.answers, self.ran = answers, []
 
-    def run_sync(self, code: str, stdin: str = "", limits=None, files=None) -> RunResult:
+    def run_sync(self, code: str, stdin: str = "", limits=None, files=None, deadline=None) -> RunResult:
         self.ran.append(code)
         answer = self.answers[code]
         if isinstance(answer, Exception):
@@ -162,6 +162,42 @@ def test_the_real_sandbox_runs_the_models_program():
     assert (obs[0]["content"], results[0].status) == ("56088\n", ToolStatus.OK)
     obs, _, results = env.step(_call("print(open('/etc/shadow').read())", 1))
     assert results[0].status == ToolStatus.CRASHED and "Error" in obs[0]["content"]
+
+
+async def test_abandoned_programs_never_delay_a_fresh_call():
+    """Issue 39: a dozen sessions whose ``sleep(60)`` calls timed out (their programs queued on
+    the replica's 2 workers, or running) must not make an innocent ``print(6*7)`` of another
+    session time out: each job carries its call's deadline, so what its caller gave up is
+    dropped unstarted or killed at once. Before, they queued and ran to their own 5 s wall limit
+    (12 jobs / 2 workers = 30 s), and the fresh call timed out and masked its episode."""
+    import asyncio
+    import time
+
+    from relayrl.common.sandbox import Sandbox, SandboxConfig
+
+    table = SessionTable(
+        {"pyexec": EnvSpec("pyexec", PyExecEnv, "relayrl.env.pyexec:PyExecEnv", False)},
+        EnvConfig(tool_timeout_seconds=2.0, threads=32),
+    )
+    table.sandbox = Sandbox.from_config(SandboxConfig(workers=2))
+    try:
+        opened = [await table.open("pyexec", TASK, 0, f"ep{i}", 0, 5.0) for i in range(13)]
+        slow = [table.step(o.session_id, 0, _call("import time\ntime.sleep(60)"), 5.0) for o in opened[:12]]
+        outs = await asyncio.gather(*slow)
+        for o in outs:  # the call's limit, or the job killed at it a moment before: both say so
+            assert o.tool_results[0].status in (ToolStatus.TIMEOUT, ToolStatus.CRASHED)
+            assert "time limit" in o.observations[0]["content"] if o.observations else True
+        start = time.monotonic()
+        out = await table.step(opened[12].session_id, 0, _call("print(6*7)"), 5.0)
+        took = time.monotonic() - start  # within its 2 s tool limit, or it would be a TIMEOUT
+        assert out.tool_results[0].status == ToolStatus.OK, f"the fresh call: {out} after {took:.2f}s"
+        assert out.observations[0]["content"] == "42\n"
+        closes = await asyncio.gather(*(table.close(o.session_id, 5.0) for o in opened[:12]))
+        assert Outcome.REDO not in {r.outcome for r in closes}
+        assert all(table.ended[o.session_id].env is None for o in opened[:12])  # freed at once
+    finally:
+        table.sandbox.close()
+        await table.shutdown()
 
 
 # ---- through the env service ---------------------------------------------------------------

@@ -5,10 +5,15 @@ runs. The hostile programs are in tests/integration/test_sandbox_adversarial.py.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
+import re
 import shutil
 import signal
+import socket
 import stat
+import struct
+import subprocess
 import tempfile
 import time
 
@@ -21,8 +26,11 @@ from relayrl.common.sandbox import (
     SandboxUnavailable,
     SandboxUnsafe,
     Verdict,
+    cgroups,
     probe,
+    seccomp,
 )
+from relayrl.common.sandbox.cgroups import Cgroups, SlotCgroup
 from relayrl.common.sandbox.runner import (
     bwrap_argv,
     check_files,
@@ -101,7 +109,151 @@ def test_bwrap_command_isolates_everything():
 
 def test_without_proc():
     argv = bwrap_argv("bwrap", "/usr/bin/python3", SandboxLimits(), {"main.py": 5}, proc=False)
-    assert "--proc" not in argv and "--dev" in argv
+    assert "--proc" not in argv and "--tmpfs /dev" in " ".join(argv)
+
+
+def test_the_jobs_dev_holds_no_pty():
+    """bwrap's own --dev mounts a devpts with ptmx: every pty a job opens there comes from the
+    kernel-wide pool (kernel.pty.max); the job's /dev holds only the plain devices."""
+    argv = bwrap_argv("bwrap", "/usr/bin/python3", SandboxLimits(), {"main.py": 5})
+    joined = " ".join(argv)
+    assert "--dev " not in joined and "ptmx" not in joined and "pts" not in joined
+    for name in ("null", "zero", "full", "random", "urandom"):
+        assert f"--dev-bind /dev/{name} /dev/{name}" in joined
+
+
+# ---- the seccomp filter, run by a classic-BPF interpreter (both architectures, on any machine)
+
+
+def _run_filter(program: bytes, arch: int, nr: int, arg0: int = 0) -> tuple[str, int]:
+    """What the kernel would do with system call ``nr`` of ``arch``: ("allow", 0) or ("errno", N)."""
+    data = struct.pack("=iIQ6Q", nr, arch, 0, arg0, 0, 0, 0, 0, 0)
+    code = [struct.unpack_from("=HBBI", program, i) for i in range(0, len(program), 8)]
+    pc, acc = 0, 0
+    for _ in range(len(code)):  # forward jumps only: at most one pass
+        op, jt, jf, k = code[pc]
+        if op == 0x20:  # ld [k]
+            acc, pc = struct.unpack_from("=I", data, k)[0], pc + 1
+        elif op == 0x06:  # ret k
+            return ("allow", 0) if k == 0x7FFF0000 else ("errno", k & 0xFFFF)
+        else:
+            taken = {0x15: acc == k, 0x35: acc >= k, 0x45: bool(acc & k)}[op]
+            pc += 1 + (jt if taken else jf)
+    raise AssertionError("the filter did not return")
+
+
+@pytest.mark.parametrize("machine", sorted(seccomp.ARCHES))
+def test_the_filter_allows_only_the_socket_families_a_job_needs(machine):
+    arch = seccomp.ARCHES[machine]
+    program, nr = seccomp.filter_program(machine), arch.numbers
+    for family in (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6):
+        assert _run_filter(program, arch.audit, nr["socket"], family) == ("allow", 0)
+    for family in (40, socket.AF_NETLINK, socket.AF_PACKET, 31, 38, 29, 44, 0, 1 << 31):
+        # AF_VSOCK, netlink, packet, Bluetooth, ALG, CAN, XDP, unspecified, garbage
+        assert _run_filter(program, arch.audit, nr["socket"], family) == ("errno", errno.EAFNOSUPPORT)
+    assert _run_filter(program, arch.audit, nr["socketpair"], socket.AF_UNIX) == ("allow", 0)
+    assert _run_filter(program, arch.audit, nr["socketpair"], socket.AF_INET) == ("errno", errno.EAFNOSUPPORT)
+
+
+@pytest.mark.parametrize("machine", sorted(seccomp.ARCHES))
+def test_the_filter_refuses_what_no_limit_counts(machine):
+    arch = seccomp.ARCHES[machine]
+    program = seccomp.filter_program(machine)
+    for name in seccomp.REFUSED:  # io_setup and the rest of Linux AIO among them
+        assert _run_filter(program, arch.audit, arch.numbers[name]) == ("errno", errno.EPERM), name
+    clone = arch.numbers["clone"]
+    assert _run_filter(program, arch.audit, clone, 0x10000000 | 17) == ("errno", errno.EPERM)
+    assert _run_filter(program, arch.audit, clone, 0x01200011) == ("allow", 0)  # fork
+    assert _run_filter(program, arch.audit, arch.numbers["clone3"]) == ("errno", errno.ENOSYS)
+    assert _run_filter(program, arch.audit, 63) == ("allow", 0)  # read on aarch64, uname on x86-64
+    assert _run_filter(program, 0x40000003, 41) == ("errno", errno.EPERM)  # i386 / another ABI
+    if arch.foreign_from is not None:
+        assert _run_filter(program, arch.audit, arch.foreign_from | 41) == ("errno", errno.EPERM)  # x32
+
+
+@pytest.mark.parametrize(
+    ("machine", "header"),
+    [
+        ("x86_64", "/usr/include/x86_64-linux-gnu/asm/unistd_64.h"),
+        ("aarch64", "/usr/include/asm-generic/unistd.h"),
+    ],
+)
+def test_the_filters_numbers_are_the_kernels(machine, header):
+    if not os.path.exists(header):
+        pytest.skip(f"{header} not installed (Debian's linux-libc-dev)")
+    with open(header) as f:
+        defined = dict(re.findall(r"#define __NR_(\w+)\s+(\d+)\b", f.read()))
+    for name, nr in seccomp.ARCHES[machine].numbers.items():
+        assert int(defined[name]) == nr, name
+
+
+# ---- slot cgroups (a fake cgroup tree: the writes, not the kernel) ------------------------
+
+
+def _fake_tree(root, version: int, own: str) -> str:
+    if version == 2:
+        d = os.path.join(root, own.lstrip("/"))
+        os.makedirs(d)
+        open(os.path.join(root, "cgroup.controllers"), "w").close()  # a unified hierarchy
+        for name, text in {
+            "cgroup.controllers": "cpuset cpu io memory pids",
+            "cgroup.subtree_control": "",
+        }.items():
+            with open(os.path.join(d, name), "w") as f:
+                f.write(text)
+        return f"0::{own}\n"
+    for c in ("memory", "cpu"):
+        d = os.path.join(root, c, own.lstrip("/"))
+        os.makedirs(d)
+        open(os.path.join(d, "cgroup.procs"), "w").close()
+    return f"5:pids:/\n4:memory:{own}\n2:cpu,cpuacct:{own}\n0::/\n"
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_slot_cgroups_bound_the_whole_job(tmp_path, version):
+    own = "/service/abc"
+    found, detail = Cgroups.find(str(tmp_path), _fake_tree(str(tmp_path), version, own))
+    assert found is not None and found.version == version, detail
+    slot = found.make("relayrl-sandbox-u61000")
+    slot.apply(SandboxLimits(memory_mb=256, tmp_mb=16, processes=8, cpus=1.5))
+
+    def read(controller, name):
+        with open(os.path.join(slot.dirs[controller], name)) as f:
+            return f.read()
+
+    if version == 2:
+        assert read("memory", "memory.max") == str(336 << 20)
+        assert read("cpu", "cpu.max") == "150000 100000"
+        with open(os.path.join(tmp_path, "service/abc/cgroup.subtree_control")) as f:
+            assert f.read() == "+memory +cpu"  # delegated to the slots
+    else:
+        assert read("memory", "memory.limit_in_bytes") == str(336 << 20)
+        assert read("cpu", "cpu.cfs_quota_us") == "150000"
+    argv = slot.join_argv(["setpriv", "--", "bwrap"])
+    procs = sorted({os.path.join(d, "cgroup.procs") for d in slot.dirs.values()})
+    assert argv[:3] == ["/bin/sh", "-c", cgroups._JOIN] and argv[4:] == [
+        *procs,
+        "--",
+        "setpriv",
+        "--",
+        "bwrap",
+    ]
+
+
+def test_no_slot_cgroups_where_none_can_be_made(tmp_path):
+    found, detail = Cgroups.find(str(tmp_path), "0::/service\n")
+    assert found is None and "cgroup v2" in detail and "cgroup v1" in detail
+
+
+def test_the_join_runs_the_command_inside(tmp_path):
+    """The job's first process writes its own pid, then is the command (same pid: exec)."""
+    procs = tmp_path / "cgroup.procs"
+    slot = SlotCgroup(2, {"memory": str(tmp_path)}, {})
+    out = subprocess.run(slot.join_argv(["sh", "-c", "echo $$"]), capture_output=True, text=True, check=True)
+    assert procs.read_text().strip() == out.stdout.strip()
+    failing = SlotCgroup(2, {"memory": str(tmp_path / "gone")}, {})
+    bad = subprocess.run(failing.join_argv(["true"]), capture_output=True)
+    assert looks_like_bwrap_failure(bad.returncode, bad.stdout, bad.stderr)  # infrastructure
 
 
 def test_plain_command():
@@ -159,14 +311,24 @@ def test_limits_and_config_bounds():
         "output_bytes": 65536,
         "tmp_mb": 16,
         "open_files": 64,
+        "cpus": 1.0,
     }
-    for bad in ({"wall_seconds": 0}, {"memory_mb": 8}, {"processes": 1}, {"output_bytes": 10}, {"nope": 1}):
+    for bad in (
+        {"wall_seconds": 0},
+        {"memory_mb": 8},
+        {"processes": 1},
+        {"output_bytes": 10},
+        {"cpus": 0},
+        {"nope": 1},
+    ):
         with pytest.raises(ValidationError):
             SandboxLimits(**bad)
     with pytest.raises(ValidationError):
         SandboxLimits().wall_seconds = 3.0  # frozen: shared defaults cannot be changed in place
     with pytest.raises(ValidationError):
         SandboxConfig(tier="docker")
+    with pytest.raises(ValidationError):
+        SandboxConfig(cgroups="maybe")
     assert SandboxConfig(tier="rlimits-only", limits={"wall_seconds": 1}).limits.wall_seconds == 1
 
 
@@ -224,7 +386,7 @@ def test_rlimits_only_reports_what_it_lacks():
 def test_full_probe_passes_here():
     report = probe("full")
     assert report.isolated, report.summary()
-    assert [c.name for c in report.checks] == ["network", "memory", "fork", "processes", "userns"]
+    assert [c.name for c in report.checks] == ["network", "memory", "fork", "processes", "userns", "kernel"]
 
 
 @needs_bwrap

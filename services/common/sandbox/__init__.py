@@ -11,6 +11,7 @@ Importing this package starts nothing (only the standard library and pydantic).
 
 from relayrl.common.sandbox.limits import (
     RunResult,
+    SandboxBusy,
     SandboxConfig,
     SandboxLimits,
     SandboxUnavailable,
@@ -25,6 +26,7 @@ __all__ = [
     "ProbeReport",
     "RunResult",
     "Sandbox",
+    "SandboxBusy",
     "SandboxConfig",
     "SandboxLimits",
     "SandboxUnavailable",

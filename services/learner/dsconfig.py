@@ -10,17 +10,20 @@ from relayrl.learner.config import ONE_RANK_STAGE, LearnerConfig
 
 
 def zero_stage(cfg: LearnerConfig, frozen: bool = False) -> int:
-    """The ZeRO stage a model of this learner runs at (``zero_stage``; see its docstring).
-    ``frozen``: a model without an optimizer (ZeRO-1 and 2 partition optimizer state only).
+    """The ZeRO stage a model of this learner runs at (``zero_stage``; see its docstring); 0 is
+    no DeepSpeed (``engines.PlainEngine``). ``frozen``: a model without an optimizer (ZeRO-1 and 2
+    partition optimizer state only: nothing of it at one rank).
 
     >>> zero_stage(LearnerConfig(world_size=2)), zero_stage(LearnerConfig()), zero_stage(LearnerConfig(), True)
-    (3, 2, 0)
+    (3, 0, 0)
+    >>> zero_stage(LearnerConfig(zero_stage=2)), zero_stage(LearnerConfig(zero_stage=2), True)
+    (2, 0)
     """
     if cfg.world_size > 1:
         return 3 if frozen else (cfg.zero_stage or 3)
     if frozen:
         return 0
-    return cfg.zero_stage or ONE_RANK_STAGE
+    return ONE_RANK_STAGE if cfg.zero_stage is None else cfg.zero_stage
 
 
 def ds_config(cfg: LearnerConfig, hidden_size: int, stage: int, cuda: bool) -> dict:

@@ -145,12 +145,13 @@ def value_loss(
     totals: Totals,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The critic's clipped value loss (all [B, T]), the micro-batch's share as ``policy_loss``'s;
-    metrics are sums over counted tokens (``vf_clipped``: tokens where the clipped term won).
+    metrics are sums over counted tokens (``vf_clipped``: tokens where the clipped term won), as
+    0-dim tensors on the values' device (the caller reads them once per step, not per micro-batch).
 
     >>> t = torch.tensor
     >>> loss, m = value_loss(t([[2.0, 0.0]]), t([[1.0, 0.0]]), t([[3.0, 1.0]]), t([[1.0, 1.0]]), 0.5,
     ...                      "token", Totals(tokens=2, sequences=1))
-    >>> round(loss.item(), 4), m["vf_clipped"]  # 0.5 * mean(max(1, 2.25), max(1, 1)) = 0.8125
+    >>> round(loss.item(), 4), m["vf_clipped"].item()  # 0.5 * mean(max(1, 2.25), max(1, 1)) = 0.8125
     (0.8125, 1.0)
     """
     mask = mask.to(values.dtype)
@@ -166,8 +167,8 @@ def value_loss(
         clipped = ((delta.abs() > clip) & (err_clipped > err)).to(values.dtype)
     loss = _aggregate(0.5 * per_token, mask, how, totals)
     return loss, {
-        "vf_clipped": float((clipped * mask).sum()),
-        "vf_sq_err": float((err.detach() * mask).sum()),
+        "vf_clipped": (clipped * mask).sum().detach(),
+        "vf_sq_err": (err.detach() * mask).sum(),
     }
 
 
@@ -187,13 +188,15 @@ def after_masked_span(mask: torch.Tensor, window: int = AFTER_ENV_WINDOW) -> tor
     return live & (last_masked >= 0) & (pos - last_masked <= window)
 
 
-def behavior_gap(logprobs: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def behavior_gap(
+    logprobs: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """Sums of |logp - behavior| over counted tokens, all of them and those right after a masked
     span (``BEHAVIOR_SUMS``), weighted by the mask. Masked tokens never count: the environment's
     tokens carry no generator log-prob (0.0 on the wire).
 
     >>> lp, beh = torch.tensor([[-1.0, -2.0, -3.0, -1.5]]), torch.tensor([[-1.1, 0.0, -2.0, -1.5]])
-    >>> {k: round(v, 4) for k, v in behavior_gap(lp, beh, torch.tensor([[1.0, 0.0, 0.5, 1.0]])).items()}
+    >>> {k: round(v.item(), 4) for k, v in behavior_gap(lp, beh, torch.tensor([[1.0, 0.0, 0.5, 1.0]])).items()}
     {'logprob_abs_diff': 0.6, 'after_env_abs_diff': 0.5, 'after_env_weight': 1.5}
     """
     mask = mask.to(torch.float64)
@@ -201,9 +204,9 @@ def behavior_gap(logprobs: torch.Tensor, behavior: torch.Tensor, mask: torch.Ten
     gap = torch.where(live, (logprobs.detach().double() - behavior.double()).abs(), 0.0) * mask
     after = after_masked_span(mask).to(mask.dtype)
     return {
-        "logprob_abs_diff": float(gap.sum()),
-        "after_env_abs_diff": float((gap * after).sum()),
-        "after_env_weight": float((mask * after).sum()),
+        "logprob_abs_diff": gap.sum(),
+        "after_env_abs_diff": (gap * after).sum(),
+        "after_env_weight": (mask * after).sum(),
     }
 
 
@@ -222,18 +225,22 @@ def aggregation_of(cfg: LossConfig) -> str:
     return cfg.aggregation or ("token" if cfg.kind == "sft" else "sequence")
 
 
-def policy_loss(inp: LossInputs, cfg: LossConfig, totals: Totals) -> tuple[torch.Tensor, dict[str, float]]:
+def policy_loss(
+    inp: LossInputs, cfg: LossConfig, totals: Totals
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The micro-batch's share of the step loss, and partial sums for metrics.
 
-    Metrics returned are sums over this micro-batch's counted tokens (``policy_sums``); the caller
-    adds them up and divides by the global token count (``after_env_abs_diff`` by the sum of
+    Metrics returned are sums over this micro-batch's counted tokens (``policy_sums``), 0-dim
+    tensors on the log-probs' device, detached; the caller adds them up (on the device: one read
+    per step) and divides by the global token count (``after_env_abs_diff`` by the sum of
     ``after_env_weight``).
     """
     mask = inp.mask.to(inp.logprobs.dtype)
     how = aggregation_of(cfg)
     if cfg.kind == "sft":
         loss = _aggregate(-inp.logprobs, mask, how, totals)
-        return loss, {"clipped": 0.0, "kl": 0.0, "tis_weight": float(mask.sum())}
+        zero = mask.new_zeros(())
+        return loss, {"clipped": zero, "kl": zero, "tis_weight": mask.sum()}
 
     adv = inp.advantages.to(inp.logprobs.dtype)
     adv = adv[:, None] if adv.ndim == 1 else adv
@@ -257,7 +264,7 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, totals: Totals) -> tuple[torch
     clipped_ratio = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     surrogate = torch.minimum(ratio * adv, clipped_ratio * adv)
     per_token = -surrogate * weight
-    kl_sum = 0.0
+    kl_sum = mask.new_zeros(())
     if cfg.kl_coef > 0:
         if inp.ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs")
@@ -266,15 +273,15 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, totals: Totals) -> tuple[torch
         if cfg.kl_ratio:
             kl = kl * ratio
         per_token = per_token + cfg.kl_coef * kl
-        kl_sum = float((kl.detach() * mask).sum())
+        kl_sum = (kl.detach() * mask).sum()
     loss = _aggregate(per_token, mask, how, totals)
     # Tokens whose gradient the clip removed: the clipped branch won the min (as PPO counts it).
     low = (ratio < 1.0 - cfg.clip_low) & (adv < 0)
     high = (ratio > 1.0 + cfg.clip_high) & (adv > 0)
     clipped = (low | high).to(mask.dtype) * mask
     return loss, {
-        "clipped": float(clipped.sum()),
+        "clipped": clipped.sum().detach(),
         "kl": kl_sum,
-        "tis_weight": float((weight * mask).sum()),
+        "tis_weight": (weight.detach() * mask).sum(),
         **behavior_gap(inp.logprobs, inp.behavior_logprobs, inp.mask),
     }

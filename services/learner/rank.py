@@ -1,5 +1,5 @@
-"""One learner rank (started by torchrun): build the ZeRO-3 engine; rank 0 serves gRPC, the
-others follow rank 0's commands. ``relayrl serve learner`` launches these."""
+"""One learner rank (started by torchrun): build the trainer (its engine: plain at one rank,
+DeepSpeed ZeRO across ranks); rank 0 serves gRPC, the others follow rank 0's commands. ``relayrl serve learner`` launches these."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ from relayrl.learner.config import LearnerConfig
 logger = logging.getLogger(__name__)
 
 
-def init_distributed() -> str:
-    import deepspeed
+def init_distributed(with_deepspeed: bool = True) -> str:
+    """Join the training group (torchrun's environment); ``with_deepspeed``: through DeepSpeed's
+    communication layer, which its engines need. A one-rank plain engine needs neither it nor
+    the memory its import takes."""
     import torch
 
     if torch.cuda.is_available():
@@ -31,7 +33,8 @@ def init_distributed() -> str:
         import importlib
 
         # By sys.modules, not attribute access: deepspeed.comm's `torch` attribute is torch itself.
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        if with_deepspeed:
+            importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         backend = "gloo"
         # Gloo binds the address the host name resolves to unless told an interface: across
         # nodes (pods, namespaces, several NICs) that is often not the one that reaches rank 0,
@@ -43,7 +46,12 @@ def init_distributed() -> str:
             if ifname:
                 # Marked as ours, so the weight-sync group does not bind it too (weightsync/group.py).
                 os.environ["GLOO_SOCKET_IFNAME"] = os.environ[TRAINING_IFNAME_VAR] = ifname
-    deepspeed.init_distributed(dist_backend=backend)
+    if with_deepspeed:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=backend)
+    else:
+        torch.distributed.init_process_group(backend=backend)
     return backend
 
 
@@ -128,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     exit_with_parent()  # a rank started by a Ray actor ends with it (under torchrun: no-op)
     logcontext.configure(logging.INFO)
     cfg = cfg_mod.load(LearnerConfig, args.config)
-    backend = init_distributed()
+    from relayrl.learner.dsconfig import zero_stage
+
+    backend = init_distributed(with_deepspeed=zero_stage(cfg) > 0 or zero_stage(cfg, frozen=True) > 0)
     import torch.distributed as dist
     from relayrl.learner.control import Control, Heartbeat
     from relayrl.learner.core import LearnerCore

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from relayrl.common.rpc import InvalidRequest
 from relayrl.learner.config import LearnerConfig
@@ -55,43 +56,56 @@ class Batch:
 
 def to_batch(batch: list[Sample], device: torch.device, packed: bool = False) -> Batch:
     """Samples -> tensors on ``device`` (the micro-batch a module runs on): the ids as padded
-    rows, or with ``packed`` as one row of every sample end to end."""
-    width = max(len(s.completion) for s in batch)
+    rows, or with ``packed`` as one row of every sample end to end. Filled in numpy on the host
+    (whole lists at a time, no loop over tokens), then two copies to the device (the integers,
+    the floats), from pinned memory and without waiting where the device is a GPU."""
+    n, width = len(batch), max(len(s.completion) for s in batch)
     if packed:
-        ids = torch.tensor([[t for s in batch for t in (*s.prompt, *s.completion)]], dtype=torch.long)
+        ids = np.concatenate([np.asarray(s.prompt + s.completion, dtype=np.int64) for s in batch])[None]
         where = packing([len(s.prompt) for s in batch], [len(s.completion) for s in batch], device)
     else:
         total = max(len(s.prompt) + len(s.completion) for s in batch)
-        ids = torch.zeros(len(batch), total, dtype=torch.long)
+        ids = np.zeros((n, total), dtype=np.int64)
         where = None
-    targets = torch.zeros(len(batch), width, dtype=torch.long)
-    behavior, mask, adv, returns, old_values = torch.zeros(5, len(batch), width, dtype=torch.float32)
+    targets = np.zeros((n, width), dtype=np.int64)
+    floats = np.zeros((5, n, width), dtype=np.float32)  # behavior, mask, adv, returns, old values
+    behavior, mask, adv, returns, old_values = floats
     for i, s in enumerate(batch):
+        c = len(s.completion)
         if not packed:
-            seq = s.prompt + s.completion
-            ids[i, : len(seq)] = torch.tensor(seq)
-        n = len(s.completion)
-        targets[i, :n] = torch.tensor(s.completion)
+            ids[i, : len(s.prompt)] = s.prompt
+            ids[i, len(s.prompt) : len(s.prompt) + c] = s.completion
+        targets[i, :c] = s.completion
         if s.behavior_logprobs:
-            behavior[i, :n] = torch.tensor(s.behavior_logprobs)
-        mask[i, :n] = torch.tensor(s.loss_mask) if s.loss_mask else 1.0
-        adv[i, :n] = torch.tensor(s.token_advantages) if s.token_advantages else s.advantage
+            behavior[i, :c] = s.behavior_logprobs
+        mask[i, :c] = s.loss_mask if s.loss_mask else 1.0
+        adv[i, :c] = s.token_advantages if s.token_advantages else s.advantage
         if s.returns:
-            returns[i, :n] = torch.tensor(s.returns)
+            returns[i, :c] = s.returns
         if s.old_values:
-            old_values[i, :n] = torch.tensor(s.old_values)
+            old_values[i, :c] = s.old_values
+    ints = _to_device(np.concatenate([ids.reshape(-1), targets.reshape(-1)]), device)
+    ids_t, targets_t = ints.split([ids.size, targets.size])
+    behavior_t, mask_t, adv_t, returns_t, old_values_t = _to_device(floats, device)
     return Batch(
-        ids.to(device),
-        targets.to(device),
-        behavior.to(device),
-        mask.to(device),
-        adv.to(device),
-        returns.to(device),
-        old_values.to(device),
+        ids_t.view(ids.shape),
+        targets_t.view(n, width),
+        behavior_t,
+        mask_t,
+        adv_t,
+        returns_t,
+        old_values_t,
         [len(s.prompt) for s in batch],
         width,
         where,
     )
+
+
+def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    host = torch.from_numpy(a)
+    if device.type == "cuda":  # a pinned source lets the copy run without blocking the host
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def check_tokens(where: str, prompt, completion, vocab_size: int, max_len: int) -> None:
@@ -105,25 +119,34 @@ def check_tokens(where: str, prompt, completion, vocab_size: int, max_len: int) 
         raise InvalidRequest(f"{where}: token ids must be in [0, {vocab_size})")
 
 
+def _first_bad(values, ok) -> tuple[int, float] | None:
+    """The first value (index, value) for which ``ok`` (vectorised over an array) is False, or
+    None: one numpy pass per field, not a Python comparison per token."""
+    a = np.asarray(values, dtype=np.float64)
+    bad = ~ok(a)
+    if not bad.any():
+        return None
+    t = int(bad.argmax())
+    return t, float(a[t])
+
+
 def _finite_per_token(where: str, name: str, values, n: int, required: bool) -> None:
     if (values or required) and len(values) != n:
         raise InvalidRequest(f"{where}: {len(values)} {name} for {n} completion tokens")
-    for t, x in enumerate(values):
-        if not abs(x) <= MAX_ABS_VALUE:  # also refuses NaN
-            raise InvalidRequest(
-                f"{where}: {name}[{t}] is {x:g}; each must be finite, |x| <= {MAX_ABS_VALUE:g}"
-            )
+    if values and (got := _first_bad(values, lambda a: np.abs(a) <= MAX_ABS_VALUE)):  # NaN too
+        raise InvalidRequest(
+            f"{where}: {name}[{got[0]}] is {got[1]:g}; each must be finite, |x| <= {MAX_ABS_VALUE:g}"
+        )
 
 
 def _check_logprobs(where: str, logprobs) -> None:
     """Log-probabilities of sampled tokens: in [MIN_LOGPROB, 0] (NaN refused too); names the first
     bad token."""
-    for t, x in enumerate(logprobs):
-        if not MIN_LOGPROB <= x <= 0.0:
-            raise InvalidRequest(
-                f"{where}: generator_logprobs[{t}] is {x:g}; a log-probability must be in "
-                f"[{MIN_LOGPROB:g}, 0]"
-            )
+    if logprobs and (got := _first_bad(logprobs, lambda a: (a >= MIN_LOGPROB) & (a <= 0.0))):
+        raise InvalidRequest(
+            f"{where}: generator_logprobs[{got[0]}] is {got[1]:g}; a log-probability must be in "
+            f"[{MIN_LOGPROB:g}, 0]"
+        )
 
 
 def decode_samples(
@@ -150,7 +173,7 @@ def decode_samples(
             )
         if s.loss_mask and len(s.loss_mask) != n:
             raise InvalidRequest(f"{where}: {len(s.loss_mask)} loss_mask values for {n} completion tokens")
-        if not all(0.0 <= x <= 1.0 for x in s.loss_mask):  # also refuses NaN
+        if s.loss_mask and _first_bad(s.loss_mask, lambda a: (a >= 0.0) & (a <= 1.0)):  # NaN too
             raise InvalidRequest(f"{where}: loss_mask values must be in [0, 1]")
         if not abs(s.advantage) <= MAX_ABS_VALUE:  # also refuses NaN
             raise InvalidRequest(

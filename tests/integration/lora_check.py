@@ -1,5 +1,5 @@
-"""Run under torchrun by test_learner_lora: two LoRA TrainSteps of the learner (DeepSpeed ZeRO-3,
-``learner.lora``, packed micro-batches) equal two steps of a plain PEFT model with torch's AdamW on
+"""Run under torchrun by test_learner_lora: two LoRA TrainSteps of the learner (the plain engine at
+one rank, DeepSpeed ZeRO-3 at two; ``learner.lora``, packed micro-batches) equal two steps of a plain PEFT model with torch's AdamW on
 the same batches, each step from the same adapter: the loss, the gradient of every adapter tensor
 (taken just before the optimizer step) and its norm, at both steps, rel < 1e-5 in float32. The adapters after each step
 are held to 1e-3 only: Adam's first steps divide each element by its own magnitude, so an element
@@ -69,7 +69,7 @@ step_once = trainer.engine.step
 
 def step_capturing():  # every rank: the gathers are collective
     grads.append({n: safe_get_full_grad(p).detach().clone() for n, p in trainer.pushed.items()})
-    step_once()
+    return step_once()
 
 
 trainer.engine.step = step_capturing

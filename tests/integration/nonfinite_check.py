@@ -37,12 +37,12 @@ def samples(advantage: float) -> list[Sample]:
 
 first = trainer.train_step(samples(1.0), 4)  # a real step: the optimizer has moments now
 assert first["applied"] and trainer.step == 1, first
-before, lr_before = local_state(), trainer.scheduler.get_last_lr()
+before, lr_before = local_state(), trainer.engine.lr()
 bad = trainer.train_step(samples(float("inf")), 4)
 assert not bad["applied"] and not torch.isfinite(torch.tensor(bad["grad_norm"])), bad
 assert (trainer.step, trainer.version) == (1, 1)
 assert torch.equal(local_state(), before), "a skipped step changed weights or optimizer state"
-assert trainer.scheduler.get_last_lr() == lr_before
+assert trainer.engine.lr() == lr_before
 good = trainer.train_step(samples(1.0), 4)
 assert good["applied"] and trainer.step == 2 and not torch.equal(local_state(), before)
 print(f"rank {dist.get_rank()}: non-finite step skipped, state unchanged", flush=True)

@@ -21,17 +21,34 @@ import pytest
 import torch
 from pydantic import ValidationError
 from relayrl.coordinator.algorithms.token_advantages import kl_penalty
+from relayrl.learner import losses
 from relayrl.learner.config import K3_BOUND, LossConfig
 from relayrl.learner.losses import (
     LossInputs,
     Totals,
     after_masked_span,
     kl_estimate,
-    policy_loss,
     policy_sums,
-    value_loss,
 )
 from relayrl.learner.trainer import token_means
+
+
+def _read(metrics: dict) -> dict[str, float]:
+    """The loss's metric sums, which stay on the device (0-dim, detached: the trainer adds them
+    up there and reads the step's once), as numbers."""
+    assert all(torch.is_tensor(v) and v.dim() == 0 and not v.requires_grad for v in metrics.values()), metrics
+    return {n: float(v) for n, v in metrics.items()}
+
+
+def policy_loss(*args, **kwargs):
+    loss, metrics = losses.policy_loss(*args, **kwargs)
+    return loss, _read(metrics)
+
+
+def value_loss(*args, **kwargs):
+    loss, metrics = losses.value_loss(*args, **kwargs)
+    return loss, _read(metrics)
+
 
 approx = partial(pytest.approx, rel=1e-9)
 e = math.exp

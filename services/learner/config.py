@@ -155,12 +155,14 @@ class LearnerConfig(StrictModel):
     (NCCL runs on streams of its own), off on CPU (gloo has none to overlap with)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Training dtype; bfloat16 on GPUs, float32 on CPU."""
-    micro_batch_tokens: int = Field(4096, ge=16)
+    micro_batch_tokens: int | None = Field(None, ge=16)
     """Tokens per micro-batch per rank; samples are balanced across ranks by token count. Packed:
-    real tokens; padded: samples x the longest."""
+    real tokens; padded: samples x the longest. None: derived at start (``learner/budget.py``):
+    on a GPU what fits the memory left once the model is loaded (the smallest over ranks), on
+    CPU 4096; every step's metrics report it (``micro_batch_tokens``)."""
     score_micro_batch_tokens: int | None = Field(None, ge=16)
     """Tokens per micro-batch of forward-only scoring (ComputeLogprobs, ComputeValues): nothing
-    is kept for a backward pass, so it can be larger. None: 4 x ``micro_batch_tokens``."""
+    is kept for a backward pass, so it can be larger. None: 4 x the training budget."""
     packing: Literal["auto", "on", "off"] = "auto"
     """How a micro-batch's samples are laid out. Packed: one row of whole samples end to end, each
     attending only to itself (no padding; ``learner/attention.py``). Padded: one row per sample,

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from relayrl.common.memory import resident_mb, trim_heap
 from relayrl.common.weightsync.buckets import torch_dtype
 from relayrl.common.weightsync.plan import Bucket, TensorMeta
-from relayrl.learner import lora
+from relayrl.learner import budget, lora
 from relayrl.learner.attention import ATTENTION, packable, register
 from relayrl.learner.batching import plan_step
 from relayrl.learner.config import LearnerConfig
@@ -114,6 +114,7 @@ class Trainer:
             lora.adapter_params(built[0].inner) if self.peft is not None else dict(self.lm.named_parameters())
         )
         self.role.attach(self)
+        self.micro_batch_tokens = cfg.micro_batch_tokens or self._budget()
         self.step = 0
         self.version = 0
         self.vocab_size = self.model_config.vocab_size
@@ -124,6 +125,25 @@ class Trainer:
             self.cfg, make, frozen=frozen, device=self.device, dtype=self.dtype,
             hidden_size=self.model_config.hidden_size,
         )  # fmt: skip
+
+    def _budget(self) -> int:
+        """The micro-batch token budget this rank's memory allows (``budget.py``), the smallest
+        over ranks: every rank must cut a step into as many micro-batches as the others."""
+        if self.device.type != "cuda":
+            return budget.CPU_TOKENS
+        trainable = sum(
+            getattr(p, "ds_numel", p.numel()) for p in self.engine.module.parameters() if p.requires_grad
+        )
+        if self.engine.stage == 3:  # optimizer state and gradients are sharded over the ranks
+            trainable //= self.world_size
+        free = torch.cuda.mem_get_info(self.device)[0] - trainable * budget.STEP_BYTES_PER_PARAM
+        checkpointing = self.cfg.gradient_checkpointing and self.role.trains
+        mine = budget.micro_batch_tokens(self.model_config, self.dtype.itemsize, free, checkpointing)
+        least = torch.tensor([mine], dtype=torch.int64, device=self.device)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN)
+        if self.rank == 0:
+            logger.info("micro-batch budget: %d tokens (learner.micro_batch_tokens unset)", int(least))
+        return int(least)
 
     def frozen_copy(self, build: Callable[[], Built]):
         """A frozen engine of another model (a role's in-process reference), laid out as this
@@ -152,14 +172,14 @@ class Trainer:
         return True
 
     # -- training ------------------------------------------------------------------------
-    def _plan(self, samples: list[Sample], budget: int | None = None) -> list[tuple[list[int], int]]:
+    def _plan(self, samples: list[Sample], tokens: int | None = None) -> list[tuple[list[int], int]]:
         """This rank's micro-batches (sample indices; empty ones still run, see ``train_step``)
         and for each the LM-head calls to make: the most any rank needs for its micro-batch of
         that index. ZeRO-3 gathers the head's weight at every call, a collective: ranks whose
-        micro-batches differ in size must still call it as often as each other. ``budget``:
+        micro-batches differ in size must still call it as often as each other. ``tokens``:
         tokens per micro-batch (default: training's)."""
         lengths = [len(s.prompt) + len(s.completion) for s in samples]
-        plans = plan_step(lengths, self.world_size, budget or self.cfg.micro_batch_tokens, self.packed)
+        plans = plan_step(lengths, self.world_size, tokens or self.micro_batch_tokens, self.packed)
 
         def rows(mb: list[int]) -> int:  # LM-head rows of the micro-batch as run
             batch = [samples[i] for i in mb] or [samples[0]]
@@ -231,6 +251,7 @@ class Trainer:
             "samples": len(samples),
             "step_seconds": time.monotonic() - t0,
             "micro_batches": len(plan),
+            "micro_batch_tokens": self.micro_batch_tokens,
             "peak_memory_mb": _peak_memory_mb(self.device),
             "resident_memory_mb": resident_mb(),
         }
@@ -240,7 +261,7 @@ class Trainer:
         Collective: each rank scores its share (balanced as in training, the same
         number of micro-batches everywhere for ZeRO-3's gathers), and one all-reduce of a flat
         buffer, on the training device, gives every rank all of it."""
-        plan = self._plan(samples, self.cfg.score_micro_batch_tokens or 4 * self.cfg.micro_batch_tokens)
+        plan = self._plan(samples, self.cfg.score_micro_batch_tokens or 4 * self.micro_batch_tokens)
         sizes = [len(s.completion) for s in samples]
         offsets = [0]
         for n in sizes:

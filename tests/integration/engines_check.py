@@ -167,4 +167,10 @@ after = {
 same(after, state, 1e-300, "a skipped step")
 assert again.engine.lr() == lr and all(p.grad is None for p in again.engine.params)
 print("a non-finite step changes nothing", flush=True)
+
+# 5. Unset, the micro-batch budget is derived (on CPU the fixed default) and reported each step.
+derived = Trainer(LearnerConfig(model=MODEL))
+assert derived.micro_batch_tokens == 4096, derived.micro_batch_tokens
+assert derived.train_step(later[0], 12)["micro_batch_tokens"] == 4096
+print("the micro-batch budget is derived and reported", flush=True)
 dist.destroy_process_group()

@@ -18,5 +18,6 @@ def test_the_plain_engine_steps_as_zero2_and_resumes_its_checkpoints(tiny_model_
         "a ZeRO-2 checkpoint resumes in the plain engine",
         "the plain engine resumes identically",
         "a non-finite step changes nothing",
+        "the micro-batch budget is derived and reported",
     ):
         assert line in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]

@@ -24,6 +24,10 @@ class ChatRequest:
     stream: bool = False
     tool_choice: str = "auto"
     """"auto" (the model may call the tools), or "none": its answer is text, calls not read out."""
+    prefix_keys: tuple[bytes, ...] = ()
+    """``history.prefix_keys(messages)``: what the session matches against its calls. Filled by
+    ``openai_api.parse_chat_request`` (off the event loop for a large body); empty: the session
+    computes it."""
 
 
 @dataclass(frozen=True)

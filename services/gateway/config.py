@@ -33,6 +33,27 @@ class HttpConfig(StrictModel):
     body_timeout_seconds: float = Field(30.0, gt=0, le=3600)
     """Longest a request body may take to arrive; past it, 408 (a client that trickles its body
     holds no handler)."""
+    header_timeout_seconds: float = Field(10.0, gt=0, le=3600)
+    """Longest a connection may wait for a whole request head (request line and headers),
+    counted from its opening and from the end of its previous answer; past it the connection is
+    closed. This is the keep-alive time of an idle connection too (HTTP clients drop theirs
+    sooner: httpx, under the openai SDK, after 5 s)."""
+    max_connections: int = Field(1024, ge=1, le=1_000_000)
+    """Most connections open at once. At the bound, a new one closes the connection that has
+    waited longest for a request head; when every connection is busy with a request, new ones
+    wait in the listen backlog. At most half the process's file-descriptor limit
+    (``RLIMIT_NOFILE``) whatever this says, so the gRPC API and the generators keep theirs."""
+    max_connections_per_peer: int = Field(256, ge=1, le=1_000_000)
+    """Most connections open at once from one address; more are closed as soon as accepted.
+    Agents behind one forwarder (the env service's sandboxes) share its address: leave room for
+    all of them."""
+    max_unfinished_per_key: int = Field(4, ge=1, le=100_000)
+    """Most requests of one session key whose bodies are still arriving or being decoded; more
+    get 429 before their body is read (with ``Expect: 100-continue``, before it is sent). One key
+    holds at most this many times ``max_body_mb`` in bodies."""
+    max_unfinished_per_peer: int = Field(64, ge=1, le=100_000)
+    """Most requests from one address whose bodies are still arriving or being decoded, whatever
+    their keys; more get 429 the same way."""
 
     @model_validator(mode="after")
     def _tls(self) -> HttpConfig:

@@ -83,10 +83,11 @@ class GatewayCore:
     def close(self, key: str) -> gw.CloseSessionResponse:
         if key in self.closed:
             return self.closed[key][1]
-        session = self.sessions.pop(key, None)
+        session = self.sessions.get(key)
         if session is None:
             raise UnknownSession("no open session has this key (never opened, or expired)")
-        out = session.close()
+        out = session.close()  # before the session goes: should it fail, a retry finds it all
+        del self.sessions[key]
         self.closed[key] = (time.monotonic(), out)
         while len(self.closed) > self.config.max_sessions:  # bounded, whatever the keep time
             self.closed.popitem(last=False)

@@ -6,7 +6,9 @@ the replica hands around (``http.make_app``, ``core.GatewayCore``): one method p
 
 HTTP side (``relayrl_gateway_http_*``, ``observe_http``): requests by route and status, and their
 latency. ``route`` is the matched route's path or "unmatched", so a client cannot grow the label
-set by asking for made-up paths. The sessions' metrics (``relayrl_gateway_*``) sit beside these.
+set by asking for made-up paths. Connections and requests refused below the routes (``refused``,
+by reason), which are logged once per peer at most. The sessions' metrics (``relayrl_gateway_*``)
+sit beside these.
 """
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -21,6 +23,12 @@ HTTP_SECONDS = Histogram(
     "Time from a request's arrival to the end of its answer (the model's turn included), by route",
     ["route"],
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+)
+HTTP_REFUSED = Counter(
+    "relayrl_gateway_http_refused",
+    "Connections or requests refused below the routes, by reason (peer_connections, evicted, "
+    "header_timeout, full, out_of_fds, accept_error, malformed)",
+    ["reason"],
 )
 
 
@@ -73,3 +81,7 @@ class GatewayMetrics(CoreMetrics):
         """One answered HTTP request."""
         HTTP_REQUESTS.labels(route, str(status)).inc()
         HTTP_SECONDS.labels(route).observe(seconds)
+
+    def refused(self, reason: str) -> None:
+        """A connection or request refused below the routes (``connections.py``)."""
+        HTTP_REFUSED.labels(reason).inc()

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from relayrl.common.v1 import common_pb2
+from relayrl.gateway import history
 from relayrl.gateway.api import Answer, BadRequest, ChatRequest, GatewayError, RewardSet
 
 MAX_MESSAGES = 1024
@@ -35,8 +37,66 @@ MAX_TOKENS = 1 << 24
 MAX_REWARD_COMPONENTS = 32
 MAX_COMPONENT_CHARS = 64
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+r"""A ``\uD800``-``\uDFFF`` escape: the only way a strictly decoded text yields a surrogate."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 _TOOL_CHOICES = (None, "auto", "none")
+
+
+def decode_json(raw: bytes) -> object:
+    r"""A request body as JSON: UTF-8 (a leading byte-order mark is let through), strict JSON
+    (no NaN or Infinity), no lone surrogate in any string or key (JSON lets ``"\ud800"``
+    through; no UTF-8 text, protobuf string or tokenizer takes it). Anything else is a
+    ``BadRequest``, before any of it reaches a session.
+
+    >>> decode_json(b'{"a": ["\\u00e9", "\\ud83d\\ude00"]}')
+    {'a': ['é', '😀']}
+    >>> for bad in (b'{"a": "\xff"}', b'{"a": "\xed\xa0\x80"}', b'{"a": "\\ud800"}', b'{"a": NaN}'):
+    ...     try:
+    ...         decode_json(bad)
+    ...     except BadRequest as e:
+    ...         print(e)
+    request body is not UTF-8 text
+    request body is not UTF-8 text
+    request body holds a lone surrogate (an unpaired \ud800-\udfff escape) in a string
+    request body is not valid JSON
+    """
+    try:
+        text = raw.decode("utf-8-sig")  # strict: also refuses UTF-8-encoded surrogates
+    except UnicodeDecodeError:
+        raise BadRequest("request body is not UTF-8 text") from None
+    try:
+        value = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError):  # RecursionError: deeply nested arrays
+        raise BadRequest("request body is not valid JSON") from None
+    if _SURROGATE_ESCAPE.search(text) and _holds_surrogate(value):
+        raise BadRequest(
+            r"request body holds a lone surrogate (an unpaired \ud800-\udfff escape) in a string"
+        )
+    return value
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")  # NaN, Infinity: Python's extension, not JSON
+
+
+def _holds_surrogate(value: object) -> bool:
+    """Whether a string or key anywhere in ``value`` holds a surrogate (JSON joins the escapes
+    of a pair into one character: what is left is a lone one)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v)
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
 
 
 def _str(value: object, param: str, *, limit: int, empty: bool = True) -> str:
@@ -102,14 +162,19 @@ def _tool_call(value: object, param: str) -> common_pb2.ToolCall:
             parse=status,
         )
     try:
-        is_object = isinstance(json.loads(args), dict)
+        value = json.loads(args)  # NaN let through: the generator's parser takes it from the model
     except (ValueError, RecursionError):
-        is_object = False
-    if not is_object:
+        value = None
+    if not isinstance(value, dict):
         # The chat template renders arguments as an object (a call that did not parse comes back
         # with its relayrl_parse_error, above).
         raise BadRequest(
             f"{param}.function.arguments must be a JSON object text", param=f"{param}.function.arguments"
+        )
+    if _SURROGATE_ESCAPE.search(args) and _holds_surrogate(value):
+        raise BadRequest(
+            f"{param}.function.arguments holds a lone surrogate in a string",
+            param=f"{param}.function.arguments",
         )
     return common_pb2.ToolCall(
         id=_str(call.get("id"), f"{param}.id", limit=MAX_ID_CHARS, empty=False),
@@ -218,6 +283,7 @@ def parse_chat_request(body: object) -> ChatRequest:
         model=model,
         stream=bool(stream),
         tool_choice=body.get("tool_choice") or "auto",
+        prefix_keys=history.prefix_keys(messages),
     )
 
 

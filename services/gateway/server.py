@@ -47,13 +47,7 @@ async def build(config: GatewayConfig) -> tuple[ServerHandle, GatewayCore]:
     )
     core = GatewayCore(config, generators, metrics)
     handle = create_server(GatewayServicer(core), DESCRIPTOR, config.serve)
-    app = make_app(
-        core,
-        max_body_bytes=int(config.http.max_body_mb * (1 << 20)),
-        request_timeout_s=config.http.request_timeout_seconds,
-        body_timeout_s=config.http.body_timeout_seconds,
-        metrics=metrics,
-    )
+    app = make_app(core, config.http, metrics=metrics, retry_after_s=config.retry_after_seconds)
     runner, port = await serve_http(app, config.http.host, config.http.port, tls=tls_context(config))
     core.base_url = base_url(config, port)
     sweeper = asyncio.ensure_future(core.sweep_forever())

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import math
+
 from relayrl.common.rpc import InvalidRequest, NotFound, ResourceExhausted, map_errors
 from relayrl.gateway.api import BadRequest, RewardSet, Unauthorized
 from relayrl.gateway.core import GatewayCore, SessionLimit, UnknownSession
@@ -31,8 +33,12 @@ class GatewayServicer(gwg.GatewayServiceServicer):
             raise InvalidRequest("sampling.max_tokens is required: the most one call may generate")
         if len(s.stop_token_ids) > MAX_STOP_TOKENS:
             raise InvalidRequest(f"sampling.stop_token_ids: at most {MAX_STOP_TOKENS}")
-        if request.ttl_seconds < 0 or request.ttl_seconds > 86400:
-            raise InvalidRequest("ttl_seconds must be between 0 and 86400")
+        # NaN passes every comparison: a NaN TTL would never expire.
+        if not math.isfinite(request.ttl_seconds) or not 0 <= request.ttl_seconds <= 86400:
+            raise InvalidRequest(
+                f"ttl_seconds must be a finite number from 0 to 86400 (0: the gateway's "
+                f"session_ttl_seconds), not {request.ttl_seconds!r}"
+            )
         try:
             return self.core.open(request)
         except SessionLimit as e:

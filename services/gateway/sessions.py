@@ -3,12 +3,13 @@
 An agent owns its loop and sends its whole dialogue with every request. To train on exactly the
 tokens the model sampled, each request is matched to the earlier call whose messages plus the
 answer the gateway returned are the longest prefix of the new messages (contents equal, tool-call
-names equal and arguments JSON-equal). When the rest is tool answers and at most one user
-message, the new call extends that call's exact tokens (``common.v1.Continuation``: the
-generator renders only the appended messages), in the same segment. Anything else (the agent
-dropped, edited or reordered its history, changed its tools, or answers a turn cut at its token
-budget) is rendered whole and opens a new segment: a history break, counted by reason. Segments
-become learner samples of their own; each trains.
+names equal and arguments JSON-equal: ``history.py``'s keys, so matching takes one lookup per
+message of the request, however many calls the session made). When the rest is tool answers and
+at most one user message, the new call extends that call's exact tokens
+(``common.v1.Continuation``: the generator renders only the appended messages), in the same
+segment. Anything else (the agent dropped, edited or reordered its history, changed its tools, or
+answers a turn cut at its token budget) is rendered whole and opens a new segment: a history
+break, counted by reason. Segments become learner samples of their own; each trains.
 
 Call ``k`` of a session is the generator prompt ``<episode_id>/t<k>``, as turn ``k`` of a
 white-box episode (``coordinator/episodes.py``): the same seed and episode give the same tokens
@@ -16,13 +17,13 @@ through the gateway as without it."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 from relayrl.common.trajectories import PrefixViolation, assemble, check_prefix, turn_room
 from relayrl.common.v1 import common_pb2
+from relayrl.gateway import history
 from relayrl.gateway.api import Answer, BadRequest, ChatRequest, ContextFull
 from relayrl.gateway.v1 import gateway_pb2 as gw
 from relayrl.generator.v1 import generator_pb2 as g
@@ -40,6 +41,8 @@ class Call:
     sample: common_pb2.Sample
     extendable: bool
     """It ended on an end-of-turn token: the next turn can extend its tokens exactly."""
+    key: bytes = b""
+    """``history`` key of ``[*messages, reply]``: a request whose prefix has it extends this call."""
 
 
 @dataclass
@@ -53,47 +56,14 @@ class Plan:
     """The call whose tokens the prompt extends (None: rendered whole)."""
     reason: str
     """Why it does not extend a call ("" when it does, or for the session's first call)."""
+    keys: tuple[bytes, ...] = ()
+    """The request's prefix keys (``history.prefix_keys``), for ``record``."""
 
 
 @dataclass
 class Segment:
     calls: list[int]
     reason: str
-
-
-def json_equal(a: str, b: str) -> bool:
-    """Tool-call arguments compared as JSON values (an agent may re-serialize them).
-
-    >>> json_equal('{"a": 1, "b": [2]}', '{"b":[2],"a":1}'), json_equal('{"a": 1}', '{"a": 2}')
-    (True, False)
-    >>> json_equal("not json", "not json")
-    True
-    """
-    if a == b:
-        return True
-    try:
-        return json.loads(a) == json.loads(b)
-    except (ValueError, RecursionError):
-        return False
-
-
-def same_message(a: common_pb2.ChatMessage, b: common_pb2.ChatMessage) -> bool:
-    """Whether the agent's message ``b`` is ``a`` as far as the model's tokens go: role, content
-    and tool calls (name, arguments); ids may be the agent's own.
-
-    >>> m = common_pb2.ChatMessage(role="assistant", content="", tool_calls=[
-    ...     common_pb2.ToolCall(id="call_1", name="calc", arguments_json='{"expression": "2*3"}')])
-    >>> n = common_pb2.ChatMessage(role="assistant", tool_calls=[
-    ...     common_pb2.ToolCall(id="x", name="calc", arguments_json='{"expression":"2*3"}')])
-    >>> same_message(m, n), same_message(m, common_pb2.ChatMessage(role="assistant"))
-    (True, False)
-    """
-    if a.role != b.role or a.content != b.content or len(a.tool_calls) != len(b.tool_calls):
-        return False
-    return all(
-        x.name == y.name and json_equal(x.arguments_json, y.arguments_json)
-        for x, y in zip(a.tool_calls, b.tool_calls, strict=True)
-    )
 
 
 def tail_extends(tail: list[common_pb2.ChatMessage]) -> bool:
@@ -174,12 +144,15 @@ class Session:
     """Calls planned so far (their indexes; some may not have answered)."""
     truncated: int = 0
     reward: tuple[float, dict[str, float]] | None = None
+    by_key: dict[bytes, int] = field(default_factory=dict)
+    """The first call of each ``Call.key``: the calls a request can extend, by its prefix keys."""
 
     def plan(self, req: ChatRequest) -> Plan:
         """The generator prompt for ``req``: extending the best-matching call, or rendered whole."""
         if self.planned >= self.max_calls:
             raise BadRequest(f"this session made its {self.max_calls} calls: it is over")
-        parent, reason = self._match(req)
+        keys = req.prefix_keys or history.prefix_keys(req.messages)
+        parent, reason = self._match(req, keys)
         index = self.planned
         pid = f"{self.episode_id}/t{index}"
         budget = self.max_episode_tokens or 1 << 30
@@ -212,7 +185,7 @@ class Session:
                 f"the episode's token budget ({self.max_episode_tokens} after its first prompt) is spent"
             )
         self.planned += 1
-        return Plan(index, prompt, room, parent, reason)
+        return Plan(index, prompt, room, parent, reason, keys)
 
     def unplan(self, plan: Plan) -> None:
         """Give back a plan whose call got no answer, when no later one was made: a retry of
@@ -220,27 +193,20 @@ class Session:
         if plan.index == self.planned - 1:
             self.planned -= 1
 
-    def _match(self, req: ChatRequest) -> tuple[int | None, str]:
-        best, best_len = None, -1
-        for i, c in enumerate(self.calls):
-            n = len(c.messages) + 1
-            if n <= len(req.messages) and n > best_len and self._starts(req.messages, c):
-                best, best_len = i, n
+    def _match(self, req: ChatRequest, keys: tuple[bytes, ...]) -> tuple[int | None, str]:
+        # The longest prefix of the request that is a call's messages plus its answer; among calls
+        # with one such prefix, the first (``by_key`` keeps it). One lookup per message.
+        best = next((self.by_key[k] for k in reversed(keys) if k in self.by_key), None)
         if best is None:
             return None, "history_rewritten" if self.calls else ""
         c = self.calls[best]
-        if not tail_extends(req.messages[best_len:]):
+        if not tail_extends(req.messages[len(c.messages) + 1 :]):
             return None, "tail_roles"
         if req.tools_json != c.tools_json:
             return None, "tools_changed"
         if not c.extendable:
             return None, "cut"
         return best, ""
-
-    @staticmethod
-    def _starts(messages: list[common_pb2.ChatMessage], c: Call) -> bool:
-        full = [*c.messages, c.reply]
-        return all(same_message(a, b) for a, b in zip(full, messages, strict=False))
 
     def _segment_of(self, call: int) -> Segment:
         return next(s for s in self.segments if call in s.calls)
@@ -260,6 +226,8 @@ class Session:
         # tool_choice "none": the calls were not read out of the answer; all of it is text
         reply = reply_of(s, self.sampling.tool_format if req.tool_choice != "none" else "")
         ended = bool(s.completion_token_ids) and s.completion_token_ids[-1] in self.sampling.stop_token_ids
+        keys = plan.keys or history.prefix_keys(req.messages)
+        key = history.extend(keys[-1] if keys else b"", history.message_key(reply))
         self.calls.append(
             Call(
                 list(req.messages),
@@ -267,8 +235,10 @@ class Session:
                 reply,
                 s,
                 s.finish_reason == common_pb2.FINISH_REASON_STOP and ended,
+                key,
             )
         )
+        self.by_key.setdefault(key, len(self.calls) - 1)
         if seg is None:
             seg = Segment([], reason)
             self.segments.append(seg)

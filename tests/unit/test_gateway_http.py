@@ -27,6 +27,7 @@ import pytest
 from prometheus_client import REGISTRY
 from relayrl.common.v1 import common_pb2 as c
 from relayrl.gateway.api import Answer, BadRequest, Busy, ChatRequest, RewardSet, Unauthorized
+from relayrl.gateway.config import HttpConfig
 from relayrl.gateway.http import make_app, serve_http
 from relayrl.gateway.metrics import GatewayMetrics
 from relayrl.gateway.openai_api import parse_chat_request
@@ -117,11 +118,15 @@ class Recorder:
     def __init__(self):
         self.seen: list[tuple[str, int]] = []
         self.queue: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
+        self.refusals: list[str] = []
 
     def observe_http(self, route: str, status: int, seconds: float) -> None:
         assert seconds >= 0
         self.seen.append((route, status))
         self.queue.put_nowait((route, status))
+
+    def refused(self, reason: str) -> None:
+        self.refusals.append(reason)
 
     async def next_for(self, route: str) -> int:
         while True:
@@ -131,17 +136,12 @@ class Recorder:
 
 
 @contextlib.asynccontextmanager
-async def serving(
-    request_timeout_s: float = 5.0, metrics=None, unix_path: str | None = None, body_timeout_s: float = 5.0
-):
-    sessions, metrics = FakeSessions(), metrics or Recorder()
-    app = make_app(
-        sessions,
-        max_body_bytes=MAX_BODY,
-        request_timeout_s=request_timeout_s,
-        body_timeout_s=body_timeout_s,
-        metrics=metrics,
-    )
+async def serving(metrics=None, unix_path: str | None = None, sessions=None, **http):
+    """The app on 127.0.0.1 and a free port over ``sessions`` (a ``FakeSessions``); ``http``
+    overrides ``HttpConfig`` fields (1 MiB bodies, 5 s timeouts by default)."""
+    sessions, metrics = sessions or FakeSessions(), metrics or Recorder()
+    config = dict(max_body_mb=MAX_BODY / (1 << 20), request_timeout_seconds=5.0, body_timeout_seconds=5.0)
+    app = make_app(sessions, HttpConfig(**{**config, **http}), metrics=metrics)
     runner, port = await serve_http(app, "127.0.0.1", 0, unix_path=unix_path)
     try:
         async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as http:
@@ -415,7 +415,7 @@ async def test_gateway_errors_of_the_sessions_keep_their_status(gw):
 
 
 async def test_a_slow_answer_past_the_request_timeout_is_504():
-    async with serving(request_timeout_s=0.05) as s:
+    async with serving(request_timeout_seconds=0.05) as s:
         s.sessions.gate = asyncio.Event()  # never set: the generator never answers
         async with s.http.post(CHAT, json={"model": MODEL, "messages": USER}, headers=auth()) as r:
             assert r.status == 504 and (await error_of(r))["code"] == "timeout"
@@ -469,12 +469,13 @@ async def test_a_client_that_leaves_while_the_model_answers_leaves_the_server_se
     await gw.sessions.entered.wait()
     writer.close()
     await writer.wait_closed()
-    gw.sessions.gate.set()  # the turn ends after its client is gone
-    assert await gw.metrics.next_for(CHAT) == 200
+    gw.sessions.gate.set()  # the turn ends after its client is gone: finished, not cancelled
+    assert await gw.metrics.next_for(CHAT) == 499  # its answer had nobody to go to
+    assert len(gw.sessions.requests) == 1
 
 
 async def test_a_body_that_never_arrives_is_408_within_the_body_timeout():
-    async with serving(body_timeout_s=0.2) as s:
+    async with serving(body_timeout_seconds=0.2) as s:
         reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
         writer.write(
             f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"

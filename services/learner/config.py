@@ -91,6 +91,9 @@ class OptimConfig(StrictModel):
     """Clip the global gradient norm to this."""
 
 
+LmHead = Literal["auto", "fused", "chunked"]
+"""``LearnerConfig.lm_head``."""
+
 ONE_RANK_STAGE = 0
 """ZeRO stage of a one-rank learner when ``zero_stage`` is unset: 0, no DeepSpeed at all
 (``engines.PlainEngine``): at world size 1 there is nothing to partition, and ZeRO's machinery
@@ -187,6 +190,13 @@ class LearnerConfig(StrictModel):
     """Log-probs are computed from the last hidden states a chunk of tokens at a time, the LM head
     applied inside the chunk (and again in backward): this bounds one chunk's float32 logits, in
     MiB. Full-vocabulary logits for a whole micro-batch never exist."""
+    lm_head: LmHead = "auto"
+    """How log-probs come out of the LM head (``learner/fused_head.py``). fused: one autograd
+    function from the hidden states and the head's weight, nothing of the vocabulary's size saved
+    for backward and fewer passes over each chunk's logits; chunked: the head module called a
+    chunk at a time, recomputed in backward (the reference). auto: fused on CUDA, chunked on CPU.
+    A head whose weight ZeRO-3 partitions, or that PEFT wraps, runs chunked whatever this says
+    (the fused path reads the whole weight). Both take ``logits_chunk_mib`` chunks."""
     bucket_mb: float = Field(64.0, gt=0, le=4096)
     """Weight push bucket size in MiB: tensors are packed into buckets this large per broadcast."""
     lora: LoraConfig | None = None

@@ -15,7 +15,11 @@ float32 (tests/unit/test_logprobs.py compares them, gradients included).
 
 In flow the backbone's last hidden states, the LM head module (called per chunk, so ZeRO-3's
 hooks gather its weight as for any module call) and the targets; out flow ``[batch, tokens]``
-log-probs (differentiable) and entropies (no gradient).
+log-probs (differentiable) and, when asked, entropies (no gradient; a full-vocabulary pass per
+chunk, so only a loss or a metric that reads them should ask).
+
+This is the reference, the CPU path and the ZeRO-3 path; ``fused_head.py`` is the fused one
+(``fused_head.head_path`` chooses).
 """
 
 from __future__ import annotations
@@ -39,16 +43,23 @@ def completion_hidden(hidden: torch.Tensor, starts: list[int], width: int) -> to
 
 
 def _chunk(
-    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: list
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    entropy: list | None,
 ) -> torch.Tensor:
-    """The chunk's target log-probs; its entropies go into ``entropy`` the first time only: when
-    backward recomputes the chunk (activation checkpointing calls this again with the same
-    arguments) they would be computed over the whole vocabulary once more and thrown away."""
+    """The chunk's target log-probs; its entropies go into ``entropy`` (None: not asked) the first
+    time only: when backward recomputes the chunk (activation checkpointing calls this again with
+    the same arguments) they would be computed over the whole vocabulary once more and thrown
+    away."""
     logits = head(hidden)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if temperature != 1.0:  # x / 1 is x: a full-vocabulary pass for nothing
+        logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)
     picked = logp.gather(-1, targets[:, None])[:, 0]
-    if not entropy:
+    if entropy is not None and not entropy:
         with torch.no_grad():
             entropy.append(-(logp.exp() * logp).sum(-1))
     return picked
@@ -79,9 +90,11 @@ def token_logprobs(
     temperature: float,
     rows_per_chunk: int,
     calls: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``targets`` [B, T] under ``head(hidden)`` / temperature (hidden [B, T, H]),
-    and per-token entropies, computed ``rows_per_chunk`` tokens at a time.
+    and per-token entropies when ``entropy`` (else None), computed ``rows_per_chunk`` tokens at a
+    time.
 
     ``calls``: call the head exactly this many times (chunks of equal size, trailing ones empty
     when there are fewer rows), forward and, when recomputing, backward. Under ZeRO-3 every head
@@ -94,19 +107,21 @@ def token_logprobs(
     if calls is None:
         if n == 0:  # an empty batch
             empty = hidden.new_zeros(b, t, dtype=torch.float32)
-            return empty, empty
+            return empty, (empty if entropy else None)
         calls = head_calls(n, rows_per_chunk)
     size = max(1, -(-n // calls))
     # Recomputing in backward bounds memory to one chunk; with one chunk there is nothing to
     # bound, and the recomputation would only cost time. Decided by ``calls`` alone, which every
     # rank shares: a rank recomputing while another does not would also call the head unevenly.
     recompute = torch.is_grad_enabled() and hidden.requires_grad and calls > 1
-    picked, entropy = [], []
+    picked, entropies = [], []
     for c in range(calls):
         lo, hi = min(c * size, n), min((c + 1) * size, n)
-        ent: list[torch.Tensor] = []
+        ent: list[torch.Tensor] | None = [] if entropy else None
         args = (head, flat_h[lo:hi], flat_t[lo:hi], temperature, ent)
         # Recompute the chunk's logits in backward instead of keeping them: that is the point.
         picked.append(checkpoint(_chunk, *args, use_reentrant=False) if recompute else _chunk(*args))
-        entropy.append(ent[0])
-    return torch.cat(picked).reshape(b, t), torch.cat(entropy).reshape(b, t)
+        if ent is not None:
+            entropies.append(ent[0])
+    logp = torch.cat(picked).reshape(b, t)
+    return logp, (torch.cat(entropies).reshape(b, t) if entropy else None)

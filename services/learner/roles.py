@@ -52,8 +52,11 @@ class Role:
         """Names of the metric sums ``loss`` returns (added up over micro-batches and ranks)."""
         return ()
 
-    def per_token(self, engine, b: Batch, calls: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The model's per-token output on a micro-batch, and the entropies when it has them."""
+    def per_token(
+        self, engine, b: Batch, calls: int, entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's per-token output on a micro-batch, and with ``entropy`` the entropies
+        when it has them (a full-vocabulary pass: only for the metric of a training step)."""
         raise NotImplementedError
 
     def loss(
@@ -68,11 +71,13 @@ def _causal_lm(cfg: LearnerConfig, dtype: torch.dtype, rows_per_chunk: int) -> B
     from transformers import AutoModelForCausalLM
 
     inner = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
-    return Built(Policy(inner, rows_per_chunk), inner, inner)
+    return Built(Policy(inner, rows_per_chunk, lm_head=cfg.lm_head), inner, inner)
 
 
-def _logprobs(engine, b: Batch, calls: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return engine(b.ids, b.targets, b.starts, b.width, temperature, calls, packing=b.packing)
+def _logprobs(
+    engine, b: Batch, calls: int, temperature: float, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return engine(b.ids, b.targets, b.starts, b.width, temperature, calls, packing=b.packing, entropy=entropy)
 
 
 class Actor(Role):
@@ -94,13 +99,15 @@ class Actor(Role):
     def sums(self) -> tuple[str, ...]:
         return policy_sums(self.cfg.loss)
 
-    def per_token(self, engine, b: Batch, calls: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return _logprobs(engine, b, calls, self.cfg.loss.temperature)
+    def per_token(
+        self, engine, b: Batch, calls: int, entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return _logprobs(engine, b, calls, self.cfg.loss.temperature, entropy)
 
     def loss(
         self, engine, b: Batch, totals: Totals, calls: int
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
-        logp, entropy = self.per_token(engine, b, calls)
+        logp, entropy = self.per_token(engine, b, calls, entropy=True)  # the step's entropy metric
         ref_logp = None
         if self.ref is not None:
             with torch.no_grad():
@@ -126,7 +133,9 @@ class Critic(Role):
     def sums(self) -> tuple[str, ...]:
         return ("vf_clipped", "vf_sq_err")
 
-    def per_token(self, engine, b: Batch, calls: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def per_token(
+        self, engine, b: Batch, calls: int, entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return engine(b.ids, b.starts, b.width, packing=b.packing), None
 
     def loss(
@@ -146,8 +155,10 @@ class Reference(Role):
     def build(self, model_config: Any, dtype: torch.dtype, rows_per_chunk: int) -> Built:
         return _causal_lm(self.cfg, dtype, rows_per_chunk)
 
-    def per_token(self, engine, b: Batch, calls: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return _logprobs(engine, b, calls, self.cfg.loss.temperature)
+    def per_token(
+        self, engine, b: Batch, calls: int, entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return _logprobs(engine, b, calls, self.cfg.loss.temperature, entropy)
 
 
 ROLES: dict[str, type[Role]] = {"actor": Actor, "critic": Critic, "reference": Reference}

@@ -135,35 +135,22 @@ assert [m["loss"] for m in straight] == [m["loss"] for m in resumed]
 same(weights(again), weights(plain), 1e-300, "after resuming its own checkpoint")
 print("the plain engine resumes identically", flush=True)
 
+
 # 4. A non-finite step changes nothing.
-state = {
-    **weights(again),
-    **{
-        f"opt{i}": v
-        for i, v in enumerate(
-            t
-            for st in again.engine.optimizer.state.values()
-            for t in st.values()
-            if torch.is_tensor(t) and t.dim()
-        )
-    },
-}
+def trained_state(t: Trainer) -> dict[str, torch.Tensor]:
+    """The weights and the optimizer's moments."""
+    moments = (
+        v for st in t.engine.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()
+    )
+    return {**weights(t), **{f"opt{i}": v.clone() for i, v in enumerate(moments)}}
+
+
+state = trained_state(again)
 lr = again.engine.lr()
 bad = [Sample(s.prompt, s.completion, s.behavior_logprobs, float("inf"), []) for s in later[0]]
 m = again.train_step(bad, 12)
 assert not m["applied"] and (again.step, again.version) == (5, 5), m
-after = {
-    **weights(again),
-    **{
-        f"opt{i}": v
-        for i, v in enumerate(
-            t
-            for st in again.engine.optimizer.state.values()
-            for t in st.values()
-            if torch.is_tensor(t) and t.dim()
-        )
-    },
-}
+after = trained_state(again)
 same(after, state, 1e-300, "a skipped step")
 assert again.engine.lr() == lr and all(p.grad is None for p in again.engine.params)
 print("a non-finite step changes nothing", flush=True)

@@ -1,7 +1,8 @@
 """The learner on CUDA (marked ``gpu``: skipped without a GPU; ``scripts/gpu_check.sh`` runs them).
 
 A random-init Qwen2 with a 32k vocabulary in bfloat16: train steps over gRPC, save, load, export;
-the collectives' device discipline on CUDA ranks; a push over NCCL to a receiver on another GPU.
+the collectives' device discipline on CUDA ranks; a push over NCCL to a receiver on another GPU;
+the fused LM head (the CUDA default) against the chunked reference, in float32 and bfloat16.
 """
 
 from __future__ import annotations
@@ -134,3 +135,51 @@ def test_critic_and_reference_roles_on_cuda(cuda_model, tmp_path):
         stub.TrainStep(lp.TrainStepRequest(step=2, samples=samples), timeout=600)
         stub.LoadCheckpoint(lp.LoadCheckpointRequest(path="critic", tag="s1"), timeout=600)
         assert values() == v1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_head_equals_chunked_on_cuda(dtype):
+    """The unit tests' comparison (tests/unit/test_logprobs.py) on CUDA kernels: the head alone at
+    a 32k vocabulary (log-probs, entropies, gradients of hidden states and weight; chunks that
+    split 1,200 rows unevenly, one chunk; two temperatures, masked rows), then every loss kind
+    through ``Policy`` (loss value and every parameter's gradient). float32: rel < 1e-5, TF32 off.
+    bfloat16: no less accurate than the chunked path against a float64 truth (``BF16_SLACK``)."""
+    import torch
+
+    from tests.unit.test_logprobs import (
+        LOSSES,
+        assert_bf16_close,
+        loss_batch,
+        path_errors,
+        policy_run,
+        rel,
+        tiny_lm,
+    )
+
+    dt = getattr(torch, dtype)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the default; float32 must mean float32 here
+    try:
+        for temperature in (1.0, 0.7):
+            for rows in (500, 2000):
+                errors = path_errors("cuda", dt, temperature, rows, n=(4, 300), hidden=256, vocab=32768)
+                if dt is torch.float32:
+                    assert all(e[0] < 1e-5 for e in errors.values()), (temperature, rows, errors)
+                else:
+                    assert_bf16_close(errors)
+        batch = loss_batch(packed=False, device="cuda")
+        for kind, cfg in sorted(LOSSES.items()):
+            lm, ref = tiny_lm(True, dtype=dt).cuda(), (tiny_lm(True, 3, dt).cuda() if cfg.kl_coef else None)
+            chunked = policy_run(lm, batch, cfg, "chunked", 5, ref)
+            fused = policy_run(lm, batch, cfg, "fused", 5, ref)
+            if dt is torch.float32:
+                assert rel(fused[0], chunked[0]) < 1e-5 and rel(fused[2], chunked[2]) < 1e-5, kind
+                assert all(rel(fused[3][n], g) < 1e-5 for n, g in chunked[3].items()), kind
+                continue
+            truth = policy_run(lm.double(), batch, cfg, "chunked", 5, ref.double() if ref else None)
+            assert_bf16_close({"loss": (0.0, rel(fused[2], truth[2]), rel(chunked[2], truth[2]))})
+            assert_bf16_close(
+                {n: (0.0, rel(fused[3][n], g), rel(chunked[3][n], g)) for n, g in truth[3].items()}
+            )
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32

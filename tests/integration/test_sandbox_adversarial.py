@@ -43,6 +43,14 @@ def canary():
     proc.wait()
 
 
+@pytest.fixture(params=[True, False], ids=["proc", "no-proc"])
+def box(request):
+    """A one-worker sandbox with /proc, and one without (containers whose runtime masks /proc)."""
+    one = Sandbox("full", LIMITS, workers=1, proc=request.param)
+    yield one
+    one.close()
+
+
 @pytest.fixture
 def host(canary, sandbox):
     """After each case: the canary lives, this process can still start one, no job process is
@@ -304,35 +312,27 @@ except OSError as e:
     assert took <= LIMITS.wall_seconds + 1
 
 
-@pytest.mark.parametrize("proc", [True, False])
-def test_no_nested_user_namespace(host, proc):
+def test_no_nested_user_namespace(host, box):
     """In a user namespace of its own the job would be root again (and could mount an unsized
     tmpfs): refused with /proc (bwrap's --disable-userns and the filter) and without (the filter)."""
-    box = Sandbox("full", LIMITS, workers=1, proc=proc)
-    try:
-        code = (
-            "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-            "print(libc.unshare(0x10000000), ctypes.get_errno())\n"
-            "print(libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0), ctypes.get_errno())\n"  # raw clone
-        )
-        result, took = timed(box, code)
-        assert result.stdout.splitlines() == ["-1 1", "-1 1"], result
-        assert took <= LIMITS.wall_seconds + 1
-    finally:
-        box.close()
+    code = (
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.unshare(0x10000000), ctypes.get_errno())\n"
+        "print(libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0), ctypes.get_errno())\n"  # raw clone
+    )
+    result, took = timed(box, code)
+    assert result.stdout.splitlines() == ["-1 1", "-1 1"], result
+    assert took <= LIMITS.wall_seconds + 1
 
 
 # ---- issue 39: what no namespace holds (VM sockets, kernel pools) and what no rlimit counts ---
 
 
-@pytest.mark.parametrize("proc", [True, False])
-def test_sockets_that_ignore_the_network_namespace_are_refused(host, proc):
+def test_sockets_that_ignore_the_network_namespace_are_refused(host, box):
     """AF_VSOCK reaches a VM's hypervisor whatever the network namespace (this very machine is a
     Firecracker VM with vsock ports); netlink, packet, Bluetooth, ALG, CAN are kernel surface a
     program has no use for. Unix and IP sockets (the job's own loopback) still work."""
-    box = Sandbox("full", LIMITS, workers=1, proc=proc)
-    try:
-        code = """
+    code = """
 import errno, socket
 for name in ("AF_VSOCK", "AF_NETLINK", "AF_PACKET", "AF_BLUETOOTH", "AF_ALG", "AF_CAN"):
     for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_SEQPACKET, socket.SOCK_RAW):
@@ -351,22 +351,17 @@ a.sendall(b"unix")
 s = socket.socket(socket.AF_INET6)
 s.bind(("::1", 0))
 print(b.recv(4).decode(), "ipv6 bound")
-"""
-        result, took = timed(box, code)
-        assert result.stdout.splitlines() == ["socketpair AF_INET EAFNOSUPPORT", "unix ipv6 bound"], result
-        assert took <= LIMITS.wall_seconds + 1
-    finally:
-        box.close()
+    """
+    result, took = timed(box, code)
+    assert result.stdout.splitlines() == ["socketpair AF_INET EAFNOSUPPORT", "unix ipv6 bound"], result
+    assert took <= LIMITS.wall_seconds + 1
 
 
-@pytest.mark.parametrize("proc", [True, False])
-def test_kernel_pools_are_refused(host, proc):
+def test_kernel_pools_are_refused(host, box):
     """Linux AIO contexts draw on the host-wide fs.aio-max-nr (io_setup(65536) took all of it,
     and DeepSpeed's async I/O on the node then failed); every devpts draws on the kernel-wide
     pty pool (839 ptys were held): AIO is refused as io_uring is, and the job's /dev has no ptmx."""
-    box = Sandbox("full", LIMITS, workers=1, proc=proc)
-    try:
-        code = """
+    code = """
 import ctypes, os
 libc = ctypes.CDLL(None, use_errno=True)
 ctx = ctypes.c_ulong(0)
@@ -383,14 +378,12 @@ try:
 except OSError:
     pass
 print(sorted(os.listdir("/dev")))
-"""
-        result, _ = timed(box, code)
-        assert result.stdout.splitlines() == [
-            "io_setup -1 1",
-            str(["fd", "full", "null", "random", "stderr", "stdin", "stdout", "urandom", "zero"]),
-        ], result
-    finally:
-        box.close()
+    """
+    result, _ = timed(box, code)
+    assert result.stdout.splitlines() == [
+        "io_setup -1 1",
+        str(["fd", "full", "null", "random", "stderr", "stdin", "stdout", "urandom", "zero"]),
+    ], result
 
 
 def _cgroups_or_skip(box: Sandbox) -> None:

@@ -144,6 +144,8 @@ class BucketSource:
     shm_push_id: int = 0  # non-zero: pipelined, wait for each bucket's mark in the ready table
     shm_ready_offset: int = 0
     ipc: tuple[Shared, ...] = ()
+    ipc_push_id: int = 0  # non-zero: pipelined, wait for each bucket's mark in ipc_ready_segment
+    ipc_ready_segment: str = ""
 
 
 class GenerationEngine(Protocol):

@@ -77,7 +77,7 @@ class _Sync:
     transport: str
     rank: int = 0
     num_ranks: int = 0
-    timeout_s: float = 300.0  # how long a pipelined shared-memory push may wait for a bucket
+    timeout_s: float = 300.0  # how long a pipelined push (shared memory, IPC) may wait for a bucket
     opening: int = 0  # a group's id in the workers: a receive takes only that group's broadcast
 
 
@@ -201,7 +201,8 @@ class WeightSwaps:
                 raise InvalidRequest(
                     f"ipc.buffers[{bad[0]}] does not hold its bucket's {buckets[bad[0]].nbytes} bytes"
                 )
-            return Worker.READ_IPC, ([asdict(x) for x in source.ipc],)
+            ready = (source.ipc_ready_segment, source.ipc_push_id, self._sync.timeout_s)
+            return Worker.READ_IPC, ([asdict(x) for x in source.ipc], *ready)
         raise InvalidRequest(f"the open weight sync is {transport}: the request names no {transport} buffers")
 
     async def update_weights(

@@ -312,7 +312,17 @@ def source_from_proto(r: generator_pb2.UpdateWeightsRequest, n_buckets: int) -> 
     if kind == "ipc":
         if len(r.ipc.buffers) != n_buckets:
             raise InvalidRequest(f"ipc.buffers has {len(r.ipc.buffers)} entries for {n_buckets} buckets")
-        return BucketSource(ipc=tuple(shared_from_proto(b) for b in r.ipc.buffers))
+        if r.ipc.push_id >= 1 << 63:
+            raise InvalidRequest("ipc.push_id must be below 2^63")
+        if r.ipc.push_id and not shm.valid_name(r.ipc.ready_segment):
+            raise InvalidRequest(
+                f"ipc.ready_segment {bounded(r.ipc.ready_segment, 140)!r} is not a relayrl segment name"
+            )
+        return BucketSource(
+            ipc=tuple(shared_from_proto(b) for b in r.ipc.buffers),
+            ipc_push_id=r.ipc.push_id,
+            ipc_ready_segment=r.ipc.ready_segment if r.ipc.push_id else "",
+        )
     return None
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from relayrl.common.placement import gpu_uuid
 from relayrl.common.weightsync import groupwait
-from relayrl.common.weightsync.buckets import checksum, non_finite, torch_dtype, unpack
+from relayrl.common.weightsync.buckets import Sums, checksum, non_finite, torch_dtype, unpack
 from relayrl.common.weightsync.cudaipc import Shared, open_shared
 from relayrl.common.weightsync.group import open_group_with_store
 from relayrl.common.weightsync.plan import Bucket, plan_from_plain
@@ -61,9 +61,10 @@ def outcome(nbytes: int = 0, checksums=(), kind: str = "", error: str = "", touc
 
 @dataclass
 class _Load:
-    """Progress of one load: checksums so far, the first failure, whether vLLM got a tensor."""
+    """Progress of one load: checksums so far (kept where the buckets are, read once at the
+    end: ``Sums``), the first failure, whether vLLM got a tensor."""
 
-    checksums: list[int] = field(default_factory=list)
+    sums: Sums = field(default_factory=Sums)
     kind: str = ""
     error: str = ""
     touched: bool = False
@@ -182,28 +183,54 @@ class WeightSyncExtension:
         finally:
             seg.close()
 
-    def relayrl_read_ipc(self, plan: list[dict], shared: list[dict], load: bool | dict) -> dict:
+    def relayrl_read_ipc(
+        self,
+        plan: list[dict],
+        shared: list[dict],
+        ready_segment: str,
+        push_id: int,
+        timeout_s: float,
+        load: bool | dict,
+    ) -> dict:
         """The buckets of ``plan`` from the learner's CUDA buffers (one per bucket, same GPU), all
-        opened before the model is touched."""
+        opened before the model is touched; with a ``push_id`` each is taken as soon as the ready
+        table in ``ready_segment`` marks it complete (the learner marks a bucket once its copy
+        is done on the GPU, and is still packing the next ones: loading overlaps packing)."""
         buckets = plan_from_plain(plan)
-        index = self._relayrl_model_device().index or 0
+        seg = None
+        if push_id:
+            try:
+                seg = Reader.open(ready_segment)
+                table = ReadyTable(seg, 0, len(buckets))
+            except ValueError as e:
+                if seg is not None:
+                    seg.close()
+                return outcome(kind="invalid", error=str(e))
         try:
-            bufs = [open_shared(Shared(**s), index) for s in shared]
-        except Exception as e:  # a handle that is not one, another GPU's, a CPU replica
-            return outcome(kind="invalid", error=f"a CUDA IPC buffer cannot be opened here: {e}")
-        sizes = [b.nbytes for b in buckets]
-        if [t.numel() for t in bufs] != sizes:
-            return outcome(
-                kind="invalid", error=f"the CUDA IPC buffers do not hold the plan's buckets ({sizes} bytes)"
-            )
-        return self._relayrl_take(
-            buckets, ((b, buf, None) for b, buf in zip(buckets, bufs, strict=True)), load
-        )
+            index = self._relayrl_model_device().index or 0
+            try:
+                bufs = [open_shared(Shared(**s), index) for s in shared]
+            except Exception as e:  # a handle that is not one, another GPU's, a CPU replica
+                return outcome(kind="invalid", error=f"a CUDA IPC buffer cannot be opened here: {e}")
+            sizes = [b.nbytes for b in buckets]
+            if [t.numel() for t in bufs] != sizes:
+                return outcome(
+                    kind="invalid",
+                    error=f"the CUDA IPC buffers do not hold the plan's buckets ({sizes} bytes)",
+                )
+            ready = (table, push_id, time.monotonic() + timeout_s) if seg is not None else None
+            return self._relayrl_take(buckets, ipc_sources(buckets, bufs, ready), load)
+        finally:
+            if seg is not None:
+                seg.close()
 
     def _relayrl_take(self, buckets: list[Bucket], sources, load: bool | dict) -> dict:
         """Take every (bucket, buffer, checksum or None) of ``sources``: checksum each, load them
         if ``load`` is True, write them as a LoRA adapter if it is one (a dict: folder and
-        shape, see ``_relayrl_adapter``), else just read them through. Returns the ``outcome``."""
+        shape, see ``_relayrl_adapter``), else just read them through. Returns the ``outcome``.
+
+        The checksums are read back once, at the end: that read waits for this worker's stream,
+        so when the answer leaves, every read of the learner's memory (IPC) is done."""
         state = _Load()
         if isinstance(load, dict):
             self._relayrl_adapter(self._relayrl_stream(sources, torch.device("cpu"), state), state, load)
@@ -214,11 +241,11 @@ class WeightSyncExtension:
         else:
             try:
                 for _b, buf, known in sources:
-                    state.checksums.append(checksum(buf) if known is None else known)
+                    _add(state.sums, buf, known)
             except Exception as e:
                 state.fail(kind_of(e), f"weights stopped arriving: {e}")
         return outcome(
-            sum(b.nbytes for b in buckets), state.checksums, state.kind, state.error, state.touched
+            sum(b.nbytes for b in buckets), state.sums.read(), state.kind, state.error, state.touched
         )
 
     def _relayrl_adapter(
@@ -300,7 +327,7 @@ class WeightSyncExtension:
                 state.fail(kind_of(e), f"weights stopped arriving: {e}")
                 return
             try:
-                state.checksums.append(checksum(buf) if known is None else known)
+                _add(state.sums, buf, known)
                 if state.error:
                     continue
                 tensors = unpack(b, buf.to(device))
@@ -324,7 +351,7 @@ class WeightSyncExtension:
             for name, dtype, shape, data in items:
                 try:
                     t = torch.frombuffer(bytearray(data), dtype=torch_dtype(dtype)).view(shape)
-                    state.checksums.append(checksum(t.view(-1).view(torch.uint8)))
+                    state.sums.add(t.view(-1).view(torch.uint8))
                     t = t.to(device)
                 except Exception as e:
                     state.fail("invalid", f"{name}: cannot be read as {dtype}{tuple(shape)}: {e}")
@@ -334,7 +361,7 @@ class WeightSyncExtension:
 
         self._relayrl_reload(weights(), state)
         return outcome(
-            sum(len(d) for *_, d in items), state.checksums, state.kind, state.error, state.touched
+            sum(len(d) for *_, d in items), state.sums.read(), state.kind, state.error, state.touched
         )
 
     def _relayrl_refresh_tied(self) -> None:
@@ -367,6 +394,25 @@ class WeightSyncExtension:
 
     def _relayrl_comm_device(self, backend: str) -> torch.device:
         return self._relayrl_model_device() if backend == "nccl" else torch.device("cpu")
+
+
+def _add(sums: Sums, buf: torch.Tensor, known: int | None) -> None:
+    """A bucket's checksum: the one its source gave (read already), else computed where it is."""
+    if known is None:
+        sums.add(buf)
+    else:
+        sums.add_known(known)
+
+
+def ipc_sources(buckets: list[Bucket], bufs: list[torch.Tensor], ready: tuple | None):
+    """Each bucket's buffer (the learner's memory, opened here), once the ready table marks it
+    complete when ``ready`` (table, push id, deadline) is given, else at once. No copy: a view
+    of the learner's bytes is handed on, which it leaves alone until this replica answered."""
+    for i, (b, buf) in enumerate(zip(buckets, bufs, strict=True)):
+        if ready is not None:
+            table, push_id, deadline = ready
+            table.wait(i, push_id, deadline)
+        yield b, buf, None
 
 
 def _layout(seg: Reader, buckets: list[Bucket], offsets: list[int], push_id: int, ready_offset: int):

@@ -1,14 +1,19 @@
 """Rank 0's side of one push: each bucket, once gathered, is packed once where a transport needs it
 and handed to every transport the replicas use.
 
-``Sinks`` says where: broadcast groups (gloo, NCCL), a shared-memory segment (its view and each
-bucket's offset) and CUDA buffers shared over IPC (one per bucket). The first sink in the order
-IPC, shared memory, group takes the packed bytes; the others get a copy on their own device.
-The broadcast of bucket i runs while bucket i+1 is gathered. A failed broadcast (a generator
-died) does not stop the loop, since the other ranks gather bucket after bucket in step with
-this one; it is reported at the end, training unharmed. The groups are abandoned at the first
-failure, so the generators still waiting for a bucket stop within a second instead of at the
-group's timeout (minutes), and can join the next group.
+``Sinks`` says where: broadcast groups (gloo, NCCL), the staging memory of a shared-memory segment
+and of CUDA buffers shared over IPC (``buckets.Staging``: one buffer, a view per bucket). The first
+sink in the order IPC, shared memory, group takes the packed bytes (one batched copy per bucket);
+the others get a copy on their own device. Each bucket's checksum is computed where it was packed
+and the checksums are read back once, at the end (``buckets.Sums``); only a shared-memory ready
+mark, which carries its bucket's checksum, reads one as it goes. A bucket is marked ready for IPC
+readers once its copy is complete on the GPU (an event waited for one bucket late, so the GPU
+never waits for the host): they read it while later buckets are packed. The broadcast of bucket
+i runs while bucket i+1 is gathered. A failed broadcast (a generator died) does not stop the
+loop, since the other ranks gather bucket after bucket in step with this one; it is reported at
+the end, training unharmed. The groups are abandoned at the first failure, so the generators
+still waiting for a bucket stop within a second instead of at the group's timeout (minutes), and
+can join the next group.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from relayrl.common.rpc import Unavailable
 from relayrl.common.weightsync import groupwait
-from relayrl.common.weightsync.buckets import checksum, pack
+from relayrl.common.weightsync.buckets import Staging, Sums, pack
 from relayrl.common.weightsync.plan import Bucket
 
 
@@ -51,13 +56,13 @@ class Sinks:
     """Where the buckets of a push go (see the module docstring)."""
 
     groups: list[WeightGroup] = field(default_factory=list)
-    shm: torch.Tensor | None = None
-    shm_offsets: tuple[int, ...] = ()
-    ipc: list[torch.Tensor] | None = None
+    shm: Staging | None = None  # the segment's buckets
     on_ready: Callable[[int, int], None] | None = None  # (bucket index, checksum) once it is in shm
+    ipc: Staging | None = None  # the shared CUDA buffer's buckets
+    on_ipc_ready: Callable[[int], None] | None = None  # bucket index, once complete on the GPU
 
     def __bool__(self) -> bool:
-        return bool(self.groups) or self.shm is not None or bool(self.ipc)
+        return bool(self.groups) or self.shm is not None or self.ipc is not None
 
 
 def send_buckets(
@@ -65,18 +70,25 @@ def send_buckets(
 ) -> tuple[int, list[int]]:
     """Pack and send each bucket: ``items`` gives per bucket its gathered tensors (or an already
     packed uint8 buffer; None on ranks that only gather). Returns bytes sent and checksums."""
-    sent, sums, error = 0, [], None
+    sent, sums, error = 0, Sums(), None
     in_flight: list = []  # (work, buffer) of the previous bucket's broadcasts
+    unmarked: list = []  # (bucket index, event) staged for IPC, not yet marked ready
     for i, (b, item) in enumerate(zip(buckets, items, strict=True)):
         if item is None or not sinks or error is not None:
             continue
         try:
             buf = _stage(i, b, item, sinks)
-            sums.append(checksum(buf))
-            if sinks.shm is not None and buf.device.type != "cpu":  # staged on a GPU for IPC
-                _at(sinks, i, b).copy_(buf)
-            if sinks.on_ready is not None:
-                sinks.on_ready(i, sums[-1])
+            sums.add(buf)
+            if sinks.ipc is not None and sinks.on_ipc_ready is not None:
+                ev = _event(buf)
+                unmarked.append((i, ev))
+                # On a GPU the previous bucket, once its copy is done; on the CPU this one.
+                _mark_ipc(sinks, unmarked, keep=0 if ev is None else 1)
+            if sinks.shm is not None:
+                if buf.device.type != "cpu":  # staged on a GPU for IPC
+                    sinks.shm.views[i].copy_(buf)
+                if sinks.on_ready is not None:
+                    sinks.on_ready(i, sums.value(len(sums) - 1))
             works = []
             for g in sinks.groups:
                 gbuf = buf if buf.device == torch.device(g.device) else buf.to(g.device)
@@ -97,6 +109,7 @@ def send_buckets(
                 g.close(abandon=True)
     if error is None:
         try:
+            _mark_ipc(sinks, unmarked, keep=0)
             for work, _ in in_flight:
                 work.wait()
         except RuntimeError as e:
@@ -105,26 +118,39 @@ def send_buckets(
                 g.close(abandon=True)
     if error is not None:
         raise Unavailable(f"weight broadcast failed after {sent} bytes: {error}")
-    return sent, sums
+    return sent, sums.read()
 
 
-def _at(sinks: Sinks, i: int, b: Bucket) -> torch.Tensor:
-    off = sinks.shm_offsets[i]
-    return sinks.shm[off : off + b.nbytes]
+def _event(buf: torch.Tensor):
+    """An event recorded after the work queued so far on ``buf``'s GPU (None on the CPU: a CPU
+    copy is complete when it returns)."""
+    if buf.device.type != "cuda":
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(buf.device))
+    return ev
+
+
+def _mark_ipc(sinks: Sinks, unmarked: list, keep: int) -> None:
+    """Mark ready every staged IPC bucket but the last ``keep``, each once its copy is done."""
+    while len(unmarked) > keep:
+        i, ev = unmarked.pop(0)
+        if ev is not None:
+            ev.synchronize()
+        sinks.on_ipc_ready(i)
 
 
 def _stage(i: int, b: Bucket, item: list[torch.Tensor] | torch.Tensor, sinks: Sinks) -> torch.Tensor:
     """The bucket packed into the first sink that holds memory of its own, else a fresh buffer
     on the first group's device (or a view of a lone tensor already there)."""
-    out = sinks.ipc[i] if sinks.ipc else (_at(sinks, i, b) if sinks.shm is not None else None)
+    staging = sinks.ipc if sinks.ipc is not None else sinks.shm
     if isinstance(item, torch.Tensor):  # packed already (transport-only pushes: zeros)
-        if out is None:
+        if staging is None:
             return item.to(sinks.groups[0].device)
-        out.copy_(item)
-        return out
-    if out is None:
+        return staging.views[i].copy_(item)
+    if staging is None:
         return pack(b, item, device=sinks.groups[0].device)
-    return pack(b, item, out=out)
+    return staging.fill(i, item)
 
 
 async def answers(

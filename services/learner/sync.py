@@ -11,13 +11,13 @@ A push: every replica is asked its version (one that holds the pushed version al
 drains a broadcast: an earlier push that failed may have reached it); the plan is made, once;
 every transport in use stages it (``Transport.stage``: a group formed with exactly its members,
 the segment and its ready table, the IPC buffers) and says what its members get in
-``UpdateWeights``; the members that read while the learner writes are called, the collective
-gather + send runs (``push.send_buckets``), then the IPC members are called. The staging memory
-is reused at the next push only after every member answered. A member that fails leaves its
-transport (``Transport.leave``: its group re-forms without it) and the push reports UNAVAILABLE
-naming it, after the others got the version. Each answer must carry the version pushed and, per
-bucket, the checksum of what was sent; a replica whose answer differs fails the push with
-DATA_LOSS naming it.
+``UpdateWeights``; the members that read while the learner writes are called (all of them:
+``Transport.EARLY``), then the collective gather + send runs (``push.send_buckets``). The
+staging memory is reused at the next push only after every member answered. A member that
+fails leaves its transport (``Transport.leave``: its group re-forms without it) and the push
+reports UNAVAILABLE naming it, after the others got the version. Each answer must carry the
+version pushed and, per bucket, the checksum of what was sent; a replica whose answer differs
+fails the push with DATA_LOSS naming it.
 
 Locks: registrations and pushes queue on this object's own ``lock``; only the gather + send of a
 push runs inside the caller's ``exclusive`` (the learner's collective lock, which TrainStep
@@ -288,8 +288,8 @@ class WeightSync:
                     self.stub(r).UpdateWeights(requests[r], timeout=self.deadline_s, metadata=meta)
                 )
 
-            # Group members receive while the learner sends; shared-memory replicas load each
-            # bucket as the ready table marks it, while the learner gathers the next.
+            # Group members receive while the learner sends; shared-memory and IPC replicas load
+            # each bucket as the ready table marks it, while the learner gathers the next.
             early = sorted(r for r in requests if self.kinds[self.transports[r]].EARLY)
             failure = None
             async with exclusive():
@@ -307,7 +307,7 @@ class WeightSync:
                     if isinstance(kind, transports.GroupTransport):
                         await kind.close_group(abandon=True)
                 raise failure
-            # IPC: the buffers are filled
+            # a kind whose members read only once everything is sent (none now: EARLY)
             calls.update({r: call(r) for r in sorted(requests) if r not in calls})
             await self._answers(calls, version, sums, current, transport_only)
             return sent, [r for r in sorted(calls) if r not in current]

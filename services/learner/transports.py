@@ -19,9 +19,9 @@ it, and knows nothing of how a kind works beyond this interface:
   stages into fresh memory. ``close()``: the learner is stopping.
 
 ``GROUP`` says whether the kind broadcasts over a group: every member takes part in each
-broadcast (one that holds the pushed version already drains it), and members are called before
-the learner sends, as are shared-memory members (they load each bucket as it is marked ready).
-IPC members are called once the buffers are filled.
+broadcast (one that holds the pushed version already drains it). Members of every kind are called
+before the learner sends (``EARLY``): group members receive each broadcast, shared-memory and
+IPC members load each bucket as the push's ready table marks it complete.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ from typing import Protocol
 import grpc
 from relayrl.common.rpc import Unavailable
 from relayrl.common.weightsync import groupwait
-from relayrl.common.weightsync.cudaipc import share, shared_to_proto
-from relayrl.common.weightsync.plan import Bucket, aligned
+from relayrl.common.weightsync.buckets import Staging
+from relayrl.common.weightsync.cudaipc import share, shared_to_proto, window
+from relayrl.common.weightsync.plan import Bucket, aligned, layout
 from relayrl.common.weightsync.shm import ReadyTable, Segment
 from relayrl.common.weightsync.transports import GROUP_BACKEND
 from relayrl.generator.v1 import generator_pb2 as g
@@ -214,13 +215,14 @@ class GroupTransport(Transport):
 
 
 class ShmTransport(Transport):
-    """One shared-memory segment on this host: a ready table at offset 0, then the buckets.
-    Kept, sized to the plan, from one push to the next (rewritten only once every reader has
-    answered: ``renew`` otherwise)."""
+    """One shared-memory segment on this host: a ready table at offset 0, then the buckets
+    (``buckets.Staging`` over the mapping). Kept, sized to the plan, from one push to the next
+    (rewritten only once every reader has answered: ``renew`` otherwise)."""
 
     def __init__(self, name: str, peers: Peers):
         super().__init__(name, peers)
         self._segment: Segment | None = None
+        self._staging: Staging | None = None
         self._push_id = 0  # pushes through the segment so far (marks in its ready table)
         self._abort = lambda: None
 
@@ -236,17 +238,17 @@ class ShmTransport(Transport):
     async def stage(
         self, buckets: list[Bucket], base: g.UpdateWeightsRequest, sinks: Sinks
     ) -> g.UpdateWeightsRequest:
-        offsets, end = [], aligned(len(buckets) * ReadyTable.ENTRY)
-        for b in buckets:
-            offsets.append(end)
-            end = aligned(end + b.nbytes)
+        start = len(buckets) * ReadyTable.ENTRY
+        offsets, end = layout(buckets, start)
         if self._segment is None or self._segment.size != end:
             self.close()
             self._segment = Segment.create(end)
         seg, table = self._segment, ReadyTable(self._segment, 0, len(buckets))
+        if self._staging is None or self._staging.buckets != buckets:
+            self._staging = Staging(buckets, buf=seg.view(), start=start)
         self._push_id += 1
         push_id = self._push_id
-        sinks.shm, sinks.shm_offsets = seg.view(), tuple(offsets)
+        sinks.shm = self._staging
         sinks.on_ready = lambda i, checksum: table.mark(i, push_id, checksum)
         self._abort = lambda: table.abort(push_id)
         req = g.UpdateWeightsRequest()
@@ -262,19 +264,29 @@ class ShmTransport(Transport):
         self.close()  # unlinked, not unmapped under a reader that may still be at it
 
     def close(self) -> None:
+        self._staging = None
         if self._segment is not None:
             self._segment.close()
             self._segment = None
 
 
 class IpcTransport(Transport):
-    """CUDA buffers on the learner's GPU, one per bucket, shared over IPC. Kept, sized to the
-    plan, from one push to the next (torch keeps a shared block alive while another process
-    holds it, so ``renew`` only forgets them)."""
+    """One CUDA buffer on the learner's GPU holding every bucket (``buckets.Staging``), shared
+    over IPC once; a replica gets a window of it per bucket (``cudaipc.window``). Beside it, a
+    small shared-memory segment holds the push's ready table: a bucket is marked once its copy
+    is complete on the GPU, and the replicas, called before the learner sends, read each bucket
+    as it is marked. Kept, sized to the plan, from one push to the next. ``renew`` (a replica
+    silent, perhaps still reading) stages the next push into fresh memory and keeps the old
+    buffer for the sync timeout before freeing it: torch's own count of the processes holding a
+    shared block is not to be relied on here (it is set once per share and taken down once per
+    storage a receiver opens, a window per bucket and push)."""
 
     def __init__(self, name: str, peers: Peers):
         super().__init__(name, peers)
-        self._ipc: tuple[list, list] | None = None  # (CUDA buffers, their sharing fields)
+        # (staging, each bucket's sharing fields, the ready table's segment)
+        self._ipc: tuple[Staging, list, Segment] | None = None
+        self._push_id = 0
+        self._abort = lambda: None
 
     async def open(self, rid: str) -> None:
         import torch
@@ -291,23 +303,42 @@ class IpcTransport(Transport):
     async def stage(
         self, buckets: list[Bucket], base: g.UpdateWeightsRequest, sinks: Sinks
     ) -> g.UpdateWeightsRequest:
-        import torch
-
-        sizes = [b.nbytes for b in buckets]
-        if self._ipc is None or [t.numel() for t in self._ipc[0]] != sizes:
-            bufs = [torch.empty(n, dtype=torch.uint8, device=self.peers.device) for n in sizes]
-            self._ipc = (bufs, [shared_to_proto(share(t)) for t in bufs])
-        sinks.ipc = self._ipc[0]
+        if self._ipc is None or self._ipc[0].buckets != buckets:
+            self.close()
+            staging = Staging(buckets, device=self.peers.device)
+            whole = share(staging.buf)
+            fields = [
+                shared_to_proto(window(whole, off, b.nbytes))
+                for b, off in zip(buckets, staging.offsets, strict=True)
+            ]
+            ready = Segment.create(aligned(max(1, len(buckets)) * ReadyTable.ENTRY), "ready")
+            self._ipc = (staging, fields, ready)
+        staging, fields, seg = self._ipc
+        table = ReadyTable(seg, 0, len(buckets))
+        self._push_id += 1
+        push_id = self._push_id
+        sinks.ipc = staging
+        sinks.on_ipc_ready = lambda i: table.mark(i, push_id, 0)
+        self._abort = lambda: table.abort(push_id)
         req = g.UpdateWeightsRequest()
         req.CopyFrom(base)
-        req.ipc.buffers.extend(self._ipc[1])
+        req.ipc.buffers.extend(fields)
+        req.ipc.push_id, req.ipc.ready_segment = push_id, seg.name
         return req
 
+    def abort(self) -> None:
+        self._abort()  # readers see the push given up at once
+
     def renew(self) -> None:
+        held = self._ipc
         self.close()
+        if held is not None:
+            groupwait.retire([held], self.peers.timeout_s)
 
     def close(self) -> None:
-        self._ipc = None
+        if self._ipc is not None:
+            self._ipc[2].close()  # unlinked; a reader still at it keeps its descriptor
+            self._ipc = None
 
 
 def make(peers: Peers) -> dict[str, Transport]:

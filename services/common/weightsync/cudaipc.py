@@ -5,14 +5,16 @@
 storage's offset and size in it, torch's reference counter and an event to wait on);
 ``open_shared(fields, device)`` rebuilds a tensor over the same memory in another process, on the
 device index that process gives the same GPU (the learner and a generator may number it
-differently; the caller checks the GPU's UUID). The sender keeps ``buf`` alive and unchanged
-until the receiver says it is done with it. ``shared_to_proto`` / ``shared_from_proto``: the same fields as a
+differently; the caller checks the GPU's UUID). ``window(fields, offset, nbytes)`` names a part
+of a shared buffer (a bucket of a staging buffer shared once): the receiver opens it as a buffer
+of its own, over the same allocation. The sender keeps ``buf`` alive and unchanged until the
+receiver says it is done with it. ``shared_to_proto`` / ``shared_from_proto``: the same fields as a
 ``relayrl.common.v1.CudaIpcBuffer``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from relayrl.common.v1 import common_pb2
 
@@ -74,6 +76,27 @@ def share(buf) -> Shared:
     ) = args
     return Shared(bytes(handle), int(size), int(offset), int(device), bytes(rc), int(rc_off), bytes(ev or b""),
                   bool(ev_sync), int(buf.numel()))  # fmt: skip
+
+
+def window(s: Shared, offset: int, nbytes: int) -> Shared:
+    """The fields of ``nbytes`` bytes at ``offset`` of the shared buffer ``s``: a storage of its
+    own at that offset of the same allocation (the receiver opens the handle once; torch keeps one
+    mapping per handle however many storages are rebuilt over it).
+
+    >>> s = Shared(b"h", 4096, 512, 0, b"rc", 3, b"ev", True, 1000)
+    >>> w = window(s, 128, 64)
+    >>> (w.storage_offset_bytes, w.storage_size_bytes, w.nbytes, w.handle, w.ref_counter_offset)
+    (640, 64, 64, b'h', 3)
+    >>> window(s, 960, 64)
+    Traceback (most recent call last):
+    ...
+    ValueError: a window of 64 bytes at 960 does not fit a shared buffer of 1000
+    """
+    if offset < 0 or nbytes < 0 or offset + nbytes > s.nbytes:
+        raise ValueError(f"a window of {nbytes} bytes at {offset} does not fit a shared buffer of {s.nbytes}")
+    return replace(
+        s, storage_offset_bytes=s.storage_offset_bytes + offset, storage_size_bytes=nbytes, nbytes=nbytes
+    )
 
 
 def open_shared(s: Shared, device: int):

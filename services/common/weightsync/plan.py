@@ -63,7 +63,10 @@ def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-SOLO_BYTES = 4 << 20  # tensors this large travel alone: broadcast in place, no packing copy
+SOLO_BYTES = 32 << 20
+"""Tensors this large travel alone: a group broadcasts them in place, with no packing copy. Below
+it, tensors are packed: every bucket costs a ready mark, a checksum kernel and, over a group, a
+broadcast, and at 4 MiB the 0.5B model's MLP weights (8.7 MB each) made 98 buckets of a push."""
 
 
 def plan_buckets(
@@ -106,6 +109,20 @@ def plan_buckets(
     if cur:
         buckets.append(Bucket(tuple(cur), tuple(offs), end))
     return buckets
+
+
+def layout(buckets: Sequence[Bucket], start: int = 0) -> tuple[tuple[int, ...], int]:
+    """Where each bucket lies in one flat buffer holding them all (staging memory: one allocation,
+    a view per bucket), from ``start``, each at an aligned offset; and the buffer's size.
+
+    >>> layout([Bucket((), (), 10), Bucket((), (), 64), Bucket((), (), 1)], start=32)
+    ((64, 128, 192), 256)
+    """
+    offsets, end = [], aligned(start)
+    for b in buckets:
+        offsets.append(end)
+        end = aligned(end + b.nbytes)
+    return tuple(offsets), end
 
 
 def dtype_kind(dtype: str) -> str:

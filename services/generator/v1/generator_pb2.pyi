@@ -118,10 +118,14 @@ class SharedMemoryBuckets(_message.Message):
     def __init__(self, segment: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ..., push_id: _Optional[int] = ..., ready_offset: _Optional[int] = ...) -> None: ...
 
 class CudaIpcBuckets(_message.Message):
-    __slots__ = ("buffers",)
+    __slots__ = ("buffers", "push_id", "ready_segment")
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    READY_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     buffers: _containers.RepeatedCompositeFieldContainer[_common_pb2.CudaIpcBuffer]
-    def __init__(self, buffers: _Optional[_Iterable[_Union[_common_pb2.CudaIpcBuffer, _Mapping]]] = ...) -> None: ...
+    push_id: int
+    ready_segment: str
+    def __init__(self, buffers: _Optional[_Iterable[_Union[_common_pb2.CudaIpcBuffer, _Mapping]]] = ..., push_id: _Optional[int] = ..., ready_segment: _Optional[str] = ...) -> None: ...
 
 class InitWeightSyncRequest(_message.Message):
     __slots__ = ("master_addr", "master_port", "world_size", "rank", "backend", "group_name", "timeout_seconds", "transport", "shm_probe", "ipc_probe", "probe_checksum")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from relayrl.common.memory import resident_mb, trim_heap
+from relayrl.common.memory import HeapTrimmer, resident_mb
 from relayrl.common.weightsync.buckets import torch_dtype
 from relayrl.common.weightsync.plan import Bucket, TensorMeta
 from relayrl.learner import budget, lora
@@ -115,6 +115,7 @@ class Trainer:
         )
         self.role.attach(self)
         self.micro_batch_tokens = cfg.micro_batch_tokens or self._budget()
+        self._heap = HeapTrimmer()
         self.step = 0
         self.version = 0
         self.vocab_size = self.model_config.vocab_size
@@ -235,7 +236,7 @@ class Trainer:
             self.step += 1
             self.version += 1
         if self.device.type == "cpu":
-            trim_heap()  # the step's activations go back to the OS (relayrl.common.memory)
+            self._heap.after_step()  # freed activations back to the OS once the heap creeps
         t = float(totals.tokens)
         loss_sum, entropy_sum, *stat_sums = sums.tolist()
         per_token_means = token_means(dict(zip(names, stat_sums, strict=True)), t)

@@ -9,10 +9,14 @@ from typing import Protocol
 
 from relayrl.common.v1 import common_pb2
 
+CHAT, RESPONSES = "chat", "responses"
+"""``ChatRequest.api``: which OpenAI API the request came in by."""
+
 
 @dataclass(frozen=True)
 class ChatRequest:
-    """A ``POST /v1/chat/completions`` body, validated."""
+    """A ``POST /v1/chat/completions`` or ``POST /v1/responses`` body, validated: both APIs are
+    read into this one request, which the sessions sample and record the same way."""
 
     messages: list[common_pb2.ChatMessage]
     """The dialogue, oldest first (roles system, user, assistant, tool)."""
@@ -23,11 +27,30 @@ class ChatRequest:
     model: str = ""
     stream: bool = False
     tool_choice: str = "auto"
-    """"auto" (the model may call the tools), or "none": its answer is text, calls not read out."""
+    """"auto" (the model may call the tools), "none" (its answer is text, calls not read out),
+    "required" (one or more calls, enforced while sampling) or "function" (one call of
+    ``tool_name``, enforced)."""
+    tool_name: str = ""
+    """With ``tool_choice`` "function": the tool to call."""
+    parallel_tool_calls: bool = True
+    """False: at most one call per answer (enforced under "required")."""
+    json_schema: str = ""
+    """The answer's JSON schema (``response_format`` / ``text.format`` json_schema or
+    json_object), JSON text, enforced while the model samples; "" for free text."""
     prefix_keys: tuple[bytes, ...] = ()
     """``history.prefix_keys(messages)``: what the session matches against its calls. Filled by
-    ``openai_api.parse_chat_request`` (off the event loop for a large body); empty: the session
-    computes it."""
+    the parsers (off the event loop for a large body); empty: the session computes it."""
+    api: str = CHAT
+    """``CHAT`` or ``RESPONSES``: the answer's id ("chatcmpl-..." or "resp_...") and shape."""
+    previous_response_id: str = ""
+    """Responses API: the answer this request continues (its dialogue goes before
+    ``messages``); "" for none."""
+    instructions: bool = False
+    """Responses API: ``messages[0]`` is the request's ``instructions`` (a system message),
+    which a later request's ``previous_response_id`` does not carry over (OpenAI's rule)."""
+    malformed_as_calls: bool = False
+    """The agent asked for a call the model wrote malformed as a call (``relayrl_parse_error``)
+    rather than as text (``relayrl_malformed_calls: "calls"``)."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +65,7 @@ class Answer:
     prompt_tokens: int
     completion_tokens: int
     id: str = ""
-    """The completion's id ("chatcmpl-...")."""
+    """The answer's id ("chatcmpl-..." or, for the Responses API, "resp_...")."""
     created: int = 0
     """Unix time the answer was made."""
 

@@ -188,6 +188,8 @@ class Connections:
         """Return once a new connection can be let in: below the bound, or one to evict."""
         while self.open >= self.limit and not self.waiting:
             self.changed.clear()
+            # wait: until a connection closes or starts waiting for a head (every busy one ends
+            # within its request's deadlines); the accept loop holds new ones in the backlog
             await self.changed.wait()
 
     def admit(self, peer: str) -> _Slot | None:

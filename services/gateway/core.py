@@ -13,6 +13,7 @@ import time
 from collections import OrderedDict
 
 from relayrl.gateway.api import (
+    RESPONSES,
     Answer,
     BadRequest,
     Busy,
@@ -139,12 +140,10 @@ class GatewayCore:
                 "(gateway max_in_flight_per_session)",
                 self.config.retry_after_seconds,
             )
+        request = session.resolve(request)  # previous_response_id: the dialogue it continues
+        sampling = tool_sampling(session.sampling, request)
         plan = session.plan(request)
-        sampling = g.SamplingParams()
-        sampling.CopyFrom(session.sampling)
         sampling.max_tokens = plan.max_tokens
-        if request.tool_choice == "none":  # the agent wants text: calls are not read out of it
-            sampling.tool_format = ""
         self.in_flight += 1
         session.in_flight += 1
         t0 = time.monotonic()
@@ -165,13 +164,15 @@ class GatewayCore:
             self.metrics.call(time.monotonic() - t0, len(sample.completion_token_ids))
         if self.sessions.get(key) is not session:  # closed while it was sampled: nothing to record
             raise Unauthorized("this session was closed while the request was sampled")
-        answer = session.record(plan, request, sample)
+        responses = request.api == RESPONSES
+        answer_id = f"resp_{secrets.token_hex(24)}" if responses else f"chatcmpl-{secrets.token_hex(12)}"
+        answer = session.record(plan, request, sample, answer_id if responses else "")
         return Answer(
             message=answer.message,
             finish_reason=answer.finish_reason,
             prompt_tokens=answer.prompt_tokens,
             completion_tokens=answer.completion_tokens,
-            id=f"chatcmpl-{secrets.token_hex(12)}",
+            id=answer_id,
             created=int(time.time()),
         )
 
@@ -190,6 +191,36 @@ class GatewayCore:
     def _gauge(self) -> None:
         if self.metrics is not None:
             self.metrics.sessions(len(self.sessions))
+
+
+def tool_sampling(session: g.SamplingParams, req: ChatRequest) -> g.SamplingParams:
+    """The session's sampling with the request's tool choice and answer schema: "none" reads no
+    calls out of the answer (it is all text); "required" and a named function are enforced by the
+    generator while it samples, which needs the session's tool format, and so is the schema.
+
+    >>> req = ChatRequest([], tool_choice="function", tool_name="calc")
+    >>> s = tool_sampling(g.SamplingParams(tool_format="hermes", max_tokens=8), req)
+    >>> g.ToolChoice.Name(s.tool_choice), s.tool_choice_function, s.max_tokens
+    ('TOOL_CHOICE_FUNCTION', 'calc', 8)
+    """
+    out = g.SamplingParams()
+    out.CopyFrom(session)
+    out.json_schema = req.json_schema
+    if req.tool_choice == "none":  # the agent wants text: calls are not read out of it
+        out.tool_format = ""
+    elif req.tool_choice in ("required", "function"):
+        if not session.tool_format:
+            raise BadRequest(
+                f"tool_choice {req.tool_choice!r} cannot be enforced: this session reads no tool "
+                "calls (its sampling has no tool_format)",
+                param="tool_choice",
+            )
+        if req.tool_choice == "required":
+            out.tool_choice = g.TOOL_CHOICE_REQUIRED
+            out.single_tool_call = not req.parallel_tool_calls
+        else:
+            out.tool_choice, out.tool_choice_function = g.TOOL_CHOICE_FUNCTION, req.tool_name
+    return out
 
 
 def check_reward(r: RewardSet) -> None:

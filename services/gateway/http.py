@@ -1,14 +1,17 @@
-"""The gateway's HTTP server (aiohttp): OpenAI's ``/v1/chat/completions`` and ``/v1/models`` for
-black-box agents, and ``/rl/set_reward``, in front of the sessions (``api.Sessions``).
+"""The gateway's HTTP server (aiohttp): OpenAI's ``/v1/chat/completions``, ``/v1/responses`` and
+``/v1/models`` for black-box agents, and ``/rl/set_reward``, in front of the sessions
+(``api.Sessions``). Both model APIs read their bodies into one ``ChatRequest`` (``openai_api``,
+``responses_api``) and answer from one ``Answer``: one way to sample and record a turn.
 
 Below the routes, ``connections.py`` bounds the connections (per peer, in all, the time to send
 a request head). A request flows: Bearer key (401) -> ``Expect`` other than 100-continue (417) ->
 declared body over ``max_body_mb`` (413) -> the key's, then the peer's, requests with unfinished
 bodies (``max_unfinished_per_key``/``_per_peer``: 429) -> "100 Continue" when the client waits
 for it -> body bounded (413) and read within ``body_timeout_seconds`` (408) -> UTF-8 JSON without
-lone surrogates (400) -> ``openai_api.parse_chat_request`` (400), both off the event loop for a
-large body -> model name (404) -> ``sessions.complete`` under ``request_timeout_seconds`` (504)
--> a JSON completion, or with ``stream`` an SSE framing of the whole answer. So a request is
+lone surrogates (400) -> ``openai_api.parse_chat_request`` or
+``responses_api.parse_responses_request`` (400), both off the event loop for a large body ->
+model name (404) -> ``sessions.complete`` under ``request_timeout_seconds`` (504) -> a JSON
+completion or response, or with ``stream`` an SSE framing of the whole answer. So a request is
 refused before its body is sent or read whenever its head says enough, and nothing of a request
 that does not decode reaches its session. Every refusal is an OpenAI error body with the
 ``GatewayError``'s status (429 with ``Retry-After``); any other exception is logged with its
@@ -32,10 +35,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, TypeVar
 
 from aiohttp import web
-from relayrl.gateway import openai_api
+from relayrl.gateway import openai_api, responses_api
 from relayrl.gateway.api import (
+    Answer,
     BadRequest,
     Busy,
+    ChatRequest,
     GatewayError,
     NotFound,
     Sessions,
@@ -290,10 +295,13 @@ class _Routes:
             return decode()
         return await asyncio.get_running_loop().run_in_executor(self.decoder, decode)
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+    async def _complete(
+        self, request: web.Request, parse: Callable[[object], ChatRequest]
+    ) -> tuple[object, ChatRequest, Answer]:
+        """``(body, request, answer)`` of a model API request: read, checked, sampled."""
         key = _bearer_key(request)
         self.sessions.check_key(key)
-        body, req = await self.body(request, key, openai_api.parse_chat_request)
+        body, req = await self.body(request, key, parse)
         if req.model != self.sessions.model:
             raise NotFound(
                 f"model {req.model!r} does not exist: this gateway serves {self.sessions.model!r}",
@@ -308,10 +316,22 @@ class _Routes:
             if timeout is None or not timeout.expired():
                 raise  # raised inside complete, not our deadline: a 500
             raise UpstreamTimeout(f"no answer within {limit_s:g} s") from None
+        return body, req, answer
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body, req, answer = await self._complete(request, openai_api.parse_chat_request)
         if not req.stream:
             return web.json_response(openai_api.completion_json(answer, self.sessions.model))
         chunks = openai_api.stream_chunks(answer, self.sessions.model, openai_api.include_usage(body))
-        return await _send_stream(request, chunks)
+        frames = [b"data: " + json.dumps(chunk).encode() + b"\n\n" for chunk in chunks]
+        return await _send_stream(request, [*frames, b"data: [DONE]\n\n"])
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        body, req, answer = await self._complete(request, responses_api.parse_responses_request)
+        if not req.stream:
+            return web.json_response(responses_api.response_json(answer, body, self.sessions.model))
+        events = responses_api.stream_events(answer, body, self.sessions.model)
+        return await _send_stream(request, responses_api.event_frames(events))
 
     async def models(self, request: web.Request) -> web.Response:
         self.sessions.check_key(_bearer_key(request))
@@ -326,13 +346,13 @@ class _Routes:
         return web.json_response({"ok": True})
 
 
-async def _send_stream(request: web.Request, chunks: list[dict]) -> _EventStream:
+async def _send_stream(request: web.Request, frames: list[bytes]) -> _EventStream:
+    """Server-sent event ``frames``, each written as it is."""
     resp = _EventStream(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     try:
         await resp.prepare(request)
-        for chunk in chunks:
-            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
+        for frame in frames:
+            await resp.write(frame)
         await resp.write_eof()
     except ConnectionError:  # the client left mid-stream: its turn is recorded all the same
         resp.client_left = True
@@ -362,6 +382,7 @@ def make_app(
     app[CONNECTIONS] = conns
     routes = _Routes(sessions, http, conns, unfinished, decoder)
     app.router.add_post("/v1/chat/completions", routes.chat_completions, expect_handler=_no_continue)
+    app.router.add_post("/v1/responses", routes.responses, expect_handler=_no_continue)
     app.router.add_get("/v1/models", routes.models, expect_handler=_no_continue)
     app.router.add_post("/rl/set_reward", routes.set_reward, expect_handler=_no_continue)
 

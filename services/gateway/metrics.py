@@ -52,6 +52,15 @@ HISTORY_BREAKS = Counter(
     ["reason"],
 )
 
+MALFORMED_CALLS = Counter(
+    "relayrl_gateway_malformed_calls",
+    "Tool calls the model wrote that did not parse, in closed sessions",
+)
+CONSTRAINED_CALLS = Counter(
+    "relayrl_gateway_constrained_calls",
+    "Chat requests sampled under an enforced tool choice (required or a named function), in closed sessions",
+)
+
 
 class CoreMetrics:
     """The sessions' side (``core.GatewayCore``)."""
@@ -68,10 +77,13 @@ class CoreMetrics:
         CALL_FAILURES.labels(error).inc()
 
     def closed(self, out) -> None:
-        """A closed session (``gateway_pb2.CloseSessionResponse``): its history breaks."""
+        """A closed session (``gateway_pb2.CloseSessionResponse``): its history breaks, malformed
+        and constrained calls."""
         SESSIONS_CLOSED.inc()
         for reason, n in out.break_reasons.items():
             HISTORY_BREAKS.labels(reason).inc(n)
+        MALFORMED_CALLS.inc(out.malformed_calls)
+        CONSTRAINED_CALLS.inc(out.constrained_calls)
 
 
 class GatewayMetrics(CoreMetrics):

@@ -2,13 +2,18 @@
 ``ChatRequest``, an ``Answer`` written back as a completion or as stream chunks, errors in OpenAI's
 shape, and the body of ``POST /rl/set_reward``. ``http.py`` moves these dicts over the wire.
 
-What is read and what is dropped: messages, tools, the token limit and the stream flags are read
-and checked; sampling fields (temperature, top_p, seed, stop, penalties, logit_bias, logprobs,
-response_format, ...) are accepted and ignored, because the experiment sets sampling for every
-turn (an agent cannot change the policy's distribution). Unknown top-level fields are ignored,
-since OpenAI clients send extras. Every refusal is a ``BadRequest`` whose ``param`` names the
-field (``messages[2].tool_calls[0].function.arguments``) and whose message never echoes the
-agent's value, so it stays short.
+What is read and what is dropped: messages, tools, ``tool_choice`` (every kind OpenAI has for
+functions: "auto", "none", "required" and a named function, the last two enforced while the
+model samples), ``parallel_tool_calls``, the token limit and the stream flags are read and
+checked, and so is ``response_format`` (json_schema and json_object answers are enforced while the
+model samples); sampling fields (temperature, top_p, seed, stop, penalties, logit_bias,
+logprobs, ...) are accepted and ignored, because the experiment sets sampling for every turn (an
+agent cannot change the policy's distribution). Unknown top-level fields are ignored,
+since OpenAI clients send extras. Tool schemas are shown to the model without what frameworks
+add for OpenAI's strict mode (``history.plain_tool``). Every refusal is a ``BadRequest`` whose
+``param`` names the field (``messages[2].tool_calls[0].function.arguments``) and whose message
+never echoes the agent's value, so it stays short. The Responses API's bodies are read into the
+same ``ChatRequest`` by ``responses_api.py``, with these helpers.
 """
 
 from __future__ import annotations
@@ -42,7 +47,11 @@ r"""A ``\uD800``-``\uDFFF`` escape: the only way a strictly decoded text yields 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-_TOOL_CHOICES = (None, "auto", "none")
+MALFORMED_CALLS = {"text": False, "calls": True}
+"""``relayrl_malformed_calls``: how a tool call the model wrote malformed reaches the agent. "text"
+(the default): the answer is the model's text, finish reason "stop", which every client takes.
+"calls": as a call with ``relayrl_parse_error`` (for an agent that answers it as the white-box env
+does, ``services/env/agents/calc_agent.py``)."""
 
 
 def decode_json(raw: bytes) -> object:
@@ -149,15 +158,28 @@ def _tool_call(value: object, param: str) -> common_pb2.ToolCall:
     if call.get("type", "function") != "function":
         raise BadRequest(f"{param}.type must be 'function'", param=f"{param}.type")
     fn = _dict(call.get("function"), f"{param}.function")
-    args = _str(fn.get("arguments"), f"{param}.function.arguments", limit=MAX_TEXT_CHARS)
-    failed = call.get("relayrl_parse_error")
+    fields = (f"{param}.id", f"{param}.function.name", f"{param}.function.arguments")
+    return read_call(
+        call.get("id"), fn.get("name"), fn.get("arguments"), call.get("relayrl_parse_error"), param, fields
+    )
+
+
+def read_call(
+    cid: object, name: object, args: object, failed: object, param: str, fields: tuple[str, str, str]
+) -> common_pb2.ToolCall:
+    """One call of an assistant turn the agent sends back, checked; ``fields`` name its id, name
+    and arguments in errors (a chat message's ``tool_calls[i]`` and a Responses
+    ``function_call`` item spell them apart). ``failed``: its ``relayrl_parse_error``, when it is
+    a call the gateway gave as the model wrote it malformed."""
+    id_param, name_param, args_param = fields
+    args = _str(args, args_param, limit=MAX_TEXT_CHARS)
     if failed is not None:  # a call the gateway gave as it could not parse it, echoed back
         status = {v: k for k, v in PARSE_ERRORS.items()}.get(failed)
         if status is None:
             raise BadRequest(f"{param}.relayrl_parse_error is not one the gateway gives", param=param)
         return common_pb2.ToolCall(
-            id=_str(call.get("id"), f"{param}.id", limit=MAX_ID_CHARS, empty=False),
-            name=_str(fn.get("name"), f"{param}.function.name", limit=MAX_NAME_CHARS),
+            id=_str(cid, id_param, limit=MAX_ID_CHARS, empty=False),
+            name=_str(name, name_param, limit=MAX_NAME_CHARS),
             arguments_json=args,
             parse=status,
         )
@@ -168,17 +190,12 @@ def _tool_call(value: object, param: str) -> common_pb2.ToolCall:
     if not isinstance(value, dict):
         # The chat template renders arguments as an object (a call that did not parse comes back
         # with its relayrl_parse_error, above).
-        raise BadRequest(
-            f"{param}.function.arguments must be a JSON object text", param=f"{param}.function.arguments"
-        )
+        raise BadRequest(f"{args_param} must be a JSON object text", param=args_param)
     if _SURROGATE_ESCAPE.search(args) and _holds_surrogate(value):
-        raise BadRequest(
-            f"{param}.function.arguments holds a lone surrogate in a string",
-            param=f"{param}.function.arguments",
-        )
+        raise BadRequest(f"{args_param} holds a lone surrogate in a string", param=args_param)
     return common_pb2.ToolCall(
-        id=_str(call.get("id"), f"{param}.id", limit=MAX_ID_CHARS, empty=False),
-        name=_str(fn.get("name"), f"{param}.function.name", limit=MAX_NAME_CHARS, empty=False),
+        id=_str(cid, id_param, limit=MAX_ID_CHARS, empty=False),
+        name=_str(name, name_param, limit=MAX_NAME_CHARS, empty=False),
         arguments_json=args,
         parse=common_pb2.TOOL_CALL_PARSE_OK,
     )
@@ -215,7 +232,9 @@ def _message(value: object, param: str) -> common_pb2.ChatMessage:
 
 
 def _tools(value: object) -> str:
-    """``tools`` as ``tools_json``: the array as sent (key order kept), "" for none."""
+    """``tools`` as ``tools_json``: the array as sent (key order kept), each tool as the model is
+    shown it (``history.plain_tool``: no ``strict``, no schema ``title`` or boolean
+    ``additionalProperties``), "" for none."""
     if value is None:
         return ""
     tools = _list(value, "tools", limit=MAX_TOOLS)
@@ -225,7 +244,109 @@ def _tools(value: object) -> str:
             raise BadRequest(f"{p}.type must be 'function'", param=f"{p}.type")
         fn = _dict(tool.get("function"), f"{p}.function")
         _str(fn.get("name"), f"{p}.function.name", limit=MAX_NAME_CHARS, empty=False)
-    return json.dumps(tools) if tools else ""
+    return tools_json(tools)
+
+
+def tools_json(tools: list[dict]) -> str:
+    """Checked chat-format tools as ``ChatRequest.tools_json`` ("" for none)."""
+    return json.dumps([history.plain_tool(t) for t in tools]) if tools else ""
+
+
+def tool_names(tools_json_text: str) -> list[str]:
+    return [t["function"]["name"] for t in json.loads(tools_json_text)] if tools_json_text else []
+
+
+def check_tool_choice(choice: str, name: str, names: list[str], param: str) -> None:
+    """A tool choice that needs tools has some, and a named one is among them."""
+    if choice in ("required", "function") and not names:
+        raise BadRequest(f"{param} {choice!r} needs tools: the request has none", param=param)
+    if choice == "function" and name not in names:
+        raise BadRequest(f"{param}: the request's tools have no function of this name", param=param)
+
+
+def _chat_tool_choice(value: object, names: list[str]) -> tuple[str, str]:
+    """``(choice, function name)`` of a chat request's ``tool_choice``.
+
+    >>> _chat_tool_choice({"type": "function", "function": {"name": "calc"}}, ["calc"])
+    ('function', 'calc')
+    >>> _chat_tool_choice({"type": "allowed_tools"}, ["calc"])
+    Traceback (most recent call last):
+    ...
+    relayrl.gateway.api.BadRequest: tool_choice.type must be 'function' (or tool_choice 'auto', 'none', 'required')
+    """
+    if value is None or value in ("auto", "none", "required"):
+        choice, name = value or "auto", ""
+    elif isinstance(value, dict):
+        if value.get("type") != "function":
+            raise BadRequest(
+                "tool_choice.type must be 'function' (or tool_choice 'auto', 'none', 'required')",
+                param="tool_choice.type",
+            )
+        fn = _dict(value.get("function"), "tool_choice.function")
+        choice = "function"
+        name = _str(fn.get("name"), "tool_choice.function.name", limit=MAX_NAME_CHARS, empty=False)
+    else:
+        raise BadRequest(
+            "tool_choice must be 'auto', 'none', 'required' or {\"type\": \"function\", ...}",
+            param="tool_choice",
+        )
+    param = "tool_choice.function.name" if choice == "function" else "tool_choice"
+    check_tool_choice(choice, name, names, param)
+    return choice, name
+
+
+def parallel_tool_calls(body: dict) -> bool:
+    v = body.get("parallel_tool_calls")
+    if v is not None and not isinstance(v, bool):
+        raise BadRequest("parallel_tool_calls must be a boolean", param="parallel_tool_calls")
+    return v is not False
+
+
+MAX_SCHEMA_CHARS = 64 * 1024
+"""Longest answer schema (``generator.v1.SamplingParams.json_schema``)."""
+
+
+def answer_schema(fmt: object, param: str, schema_at: str) -> str:
+    """The JSON schema (text) an answer format asks for, "" for free text: ``{"type": "text"}``,
+    ``{"type": "json_object"}`` (any object) or ``{"type": "json_schema", ...}`` with the schema
+    under ``schema_at`` (chat completions nest it in ``json_schema``, the Responses API does not).
+
+    >>> answer_schema({"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}},
+    ...               "response_format", "json_schema.schema")
+    '{"type": "object"}'
+    """
+    if fmt is None:
+        return ""
+    kind = _dict(fmt, param).get("type")
+    if kind == "text":
+        return ""
+    if kind == "json_object":
+        return json.dumps({"type": "object"})
+    if kind != "json_schema":
+        raise BadRequest(
+            f"{param}.type must be 'text', 'json_object' or 'json_schema'", param=f"{param}.type"
+        )
+    holder: object = fmt
+    path = param
+    for step in schema_at.split(".")[:-1]:
+        path = f"{path}.{step}"
+        holder = _dict(holder.get(step), path)  # type: ignore[union-attr]
+    schema = holder.get(schema_at.rsplit(".", 1)[-1])  # type: ignore[union-attr]
+    schema = {"type": "object"} if schema is None else _dict(schema, f"{param}.{schema_at}")
+    text = json.dumps(schema)
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise BadRequest(
+            f"{param}.{schema_at} is longer than {MAX_SCHEMA_CHARS} characters", param=f"{param}.{schema_at}"
+        )
+    return text
+
+
+def malformed_as_calls(body: dict) -> bool:
+    """``relayrl_malformed_calls`` ("text" or "calls", ``MALFORMED_CALLS``)."""
+    v = body.get("relayrl_malformed_calls", "text")
+    if not isinstance(v, str) or v not in MALFORMED_CALLS:
+        raise BadRequest("relayrl_malformed_calls must be 'text' or 'calls'", param="relayrl_malformed_calls")
+    return MALFORMED_CALLS[v]
 
 
 def _max_tokens(body: dict) -> int | None:
@@ -244,9 +365,10 @@ def _max_tokens(body: dict) -> int | None:
 def parse_chat_request(body: object) -> ChatRequest:
     """A decoded ``POST /v1/chat/completions`` body, checked, as a ``ChatRequest``.
 
-    Roles: "developer" is read as "system". ``n`` may only be 1; ``tool_choice`` may be "auto" or
+    Roles: "developer" is read as "system". ``n`` may only be 1. ``tool_choice``: "auto";
     "none" (the tools stay in the prompt, as the chat template renders them, but no call is read
-    out of the answer: it is all text). Streaming flags are read by ``include_usage``.
+    out of the answer: it is all text); "required" or a named function (enforced while the
+    model samples). Streaming flags are read by ``include_usage``.
 
     >>> req = parse_chat_request({"model": "m", "temperature": 2, "messages": [
     ...     {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
@@ -268,22 +390,27 @@ def parse_chat_request(body: object) -> ChatRequest:
     ]
     if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
         raise BadRequest("n must be 1 (one choice per request)", param="n")
-    if body.get("tool_choice") not in _TOOL_CHOICES:
-        raise BadRequest("tool_choice is not supported: only 'auto' and 'none' are", param="tool_choice")
-    if body.get("functions") is not None:
-        raise BadRequest("functions is not supported: use tools", param="functions")
+    for legacy, instead in (("functions", "tools"), ("function_call", "tool_choice")):
+        if body.get(legacy) is not None:
+            raise BadRequest(f"{legacy} is not supported: use {instead}", param=legacy)
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest("stream must be a boolean", param="stream")
     include_usage(body)
+    tools = _tools(body.get("tools"))
+    choice, name = _chat_tool_choice(body.get("tool_choice"), tool_names(tools))
     return ChatRequest(
         messages=messages,
-        tools_json=_tools(body.get("tools")),
+        tools_json=tools,
         max_tokens=_max_tokens(body),
         model=model,
         stream=bool(stream),
-        tool_choice=body.get("tool_choice") or "auto",
+        tool_choice=choice,
+        tool_name=name,
+        parallel_tool_calls=parallel_tool_calls(body),
+        json_schema=answer_schema(body.get("response_format"), "response_format", "json_schema.schema"),
         prefix_keys=history.prefix_keys(messages),
+        malformed_as_calls=malformed_as_calls(body),
     )
 
 

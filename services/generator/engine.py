@@ -52,6 +52,10 @@ class SamplingSpec:
     ignore_eos: bool = False
     tool_format: str = ""  # "" | "hermes" | "llama3_json": read tool calls out of completions
     fit_to_context: bool = False  # max_tokens cut per prompt to the room its context leaves
+    tool_choice: str = ""  # "" (free) | "required" | "function": enforced (``constraints.py``)
+    tool_choice_function: str = ""  # with "function": the tool every completion calls
+    single_tool_call: bool = False  # with "required": at most one call per completion
+    json_schema: str = ""  # the answer's JSON schema (JSON text), enforced; "" for none
 
 
 def prompt_seed(seed: int, prompt_id: str) -> int:
@@ -75,6 +79,9 @@ class PromptIn:
 
     prompt_id: str
     token_ids: tuple[int, ...]
+    constraint: str = ""
+    """A structural tag (JSON) its completions must follow (``constraints.tool_call_constraint``),
+    "" for none."""
 
 
 @dataclass

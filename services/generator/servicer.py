@@ -12,6 +12,7 @@ from relayrl.common.v1 import common_pb2
 from relayrl.common.weightsync.plan import TensorMeta, plan_from_proto, tensor_meta
 from relayrl.generator import metrics
 from relayrl.generator.config import GeneratorConfig
+from relayrl.generator.constraints import output_constraint
 from relayrl.generator.engine import (
     GenerationEngine,
     PromptIn,
@@ -56,6 +57,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
         """Tokenize and check one prompt (CPU work: runs in a worker thread, see ``Generate``)."""
         name = bounded(repr(p.prompt_id), 80)
         kind = p.WhichOneof("input")
+        tools = None
         if kind == "token_ids":
             # Too long for the model is refused before the ids are copied or scanned: 25M ids
             # held this process's CPU (and its event loop's GIL) for seconds, for nothing.
@@ -73,9 +75,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             msgs = [
                 message_from_proto(m, f"prompt {name}: messages[{i}]") for i, m in enumerate(chat.messages)
             ]
-            ids = self.engine.encode_messages(
-                msgs, tools_from_json(chat.tools_json, f"prompt {name}: tools_json")
-            )
+            tools = tools_from_json(chat.tools_json, f"prompt {name}: tools_json")
+            ids = self.engine.encode_messages(msgs, tools)
         elif kind == "text":
             if len(p.text) > self._prompt_chars():
                 raise InvalidRequest(
@@ -87,14 +88,25 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServiceServicer):
             prefix, append, tools = continuation_from_proto(
                 p.continuation, limit, self._prompt_chars(), f"prompt {name}"
             )
-            ids = self.engine.chat_codec().bridge(prefix, append, tools)
+            codec = self.engine.chat_codec()
+            if p.continuation.close_turn and prefix[-1] not in codec.end_of_turn_ids:
+                prefix.append(min(codec.end_of_turn_ids))  # a cut turn, closed as a render would
+            ids = codec.bridge(prefix, append, tools)
         else:
             raise InvalidRequest(f"prompt {name}: no input (token_ids, messages or text)")
         try:
             self.engine.check_prompt(ids, spec)
+            constraint = output_constraint(
+                tools,
+                spec.tool_format,
+                spec.tool_choice,
+                spec.tool_choice_function,
+                spec.single_tool_call,
+                spec.json_schema,
+            )
         except InvalidRequest as e:
             raise InvalidRequest(f"prompt {name}: {e}") from None
-        return PromptIn(p.prompt_id, tuple(ids))
+        return PromptIn(p.prompt_id, tuple(ids), constraint)
 
     @map_errors
     async def Generate(self, request, context):

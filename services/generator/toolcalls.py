@@ -117,10 +117,17 @@ def parse_llama3_json(text: str, id_prefix: str = "call_") -> tuple[str, list[Pa
 
 
 def _read_call(cid: str, body: str, args_key: str) -> ParsedCall:
-    """One call's JSON ``{"name": str, args_key: object}``; ``arguments`` is accepted as well
-    (models mix the two spellings), and an arguments value that is a JSON object's text."""
+    r"""One call's JSON ``{"name": str, args_key: object}``; ``arguments`` is accepted as well
+    (models mix the two spellings), and an arguments value that is a JSON object's text. A raw
+    control character inside a string is read as itself (``strict=False``): it is unambiguous,
+    and grammar-constrained sampling lets it through (xgrammar 0.2.8, strings with a length
+    bound); the arguments are written back escaped.
+
+    >>> _read_call("c", '{"name": "f", "arguments": {"s": "a' + chr(8) + '"}}', "arguments").arguments_json
+    '{"s": "a\\b"}'
+    """
     try:
-        obj = json.loads(body)
+        obj = json.loads(body, strict=False)
     except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
         return ParsedCall(cid, "", _raw(body), Parse.INVALID_JSON)
     if not isinstance(obj, dict):
@@ -131,7 +138,7 @@ def _read_call(cid: str, body: str, args_key: str) -> ParsedCall:
     args = obj.get(args_key, obj.get("arguments" if args_key != "arguments" else "parameters", {}))
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
-            args = json.loads(args)
+            args = json.loads(args, strict=False)
         except (ValueError, RecursionError):
             return ParsedCall(cid, name, _raw(body), Parse.INVALID_ARGUMENTS)
     if not isinstance(args, dict):

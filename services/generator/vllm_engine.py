@@ -215,7 +215,7 @@ class VLLMEngine(WeightSwaps):
         sample ``resumed`` asks for the rest of its tokens, with a seed of its own. vLLM gives
         the n samples of a seeded request seeds ``seed + index``."""
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         prompt_len = len(prompt.token_ids)
         done = len(resumed.token_ids) if resumed else 0
@@ -238,6 +238,10 @@ class VLLMEngine(WeightSwaps):
             ignore_eos=spec.ignore_eos,
             logprobs=0,  # the sampled token's logprob only
             output_kind=RequestOutputKind.DELTA,
+            # A tool choice to enforce: tokens outside the call syntax are masked while sampling.
+            structured_outputs=StructuredOutputsParams(structural_tag=prompt.constraint)
+            if prompt.constraint
+            else None,
         )
 
     async def generate(
@@ -278,6 +282,10 @@ class VLLMEngine(WeightSwaps):
             pending = await self._segment(rid, prompt, spec, parts, queue, resumed=False)
             round_ = 1
             while pending:
+                if prompt.constraint:
+                    # A constrained sample cannot resume mid-call (the grammar would start over
+                    # on its rest): it starts again under the new weights.
+                    pending = [Partial(p.index) for p in pending]
                 limit = self._limit(spec, len(prompt.token_ids))
                 for p in [p for p in pending if len(p.token_ids) >= limit]:
                     queue.put_nowait(self._sample(prompt, p, "length"))  # it was done already

@@ -14,6 +14,7 @@ from relayrl.common.weightsync import shm
 from relayrl.common.weightsync.adapters import MAX_TARGETS, AdapterSpec
 from relayrl.common.weightsync.cudaipc import shared_from_proto
 from relayrl.generator.bridge import MAX_APPEND, ChatCheck, check_append
+from relayrl.generator.constraints import FUNCTION, REQUIRED
 from relayrl.generator.engine import (
     BucketSource,
     SampleOut,
@@ -23,6 +24,11 @@ from relayrl.generator.engine import (
 from relayrl.generator.toolcalls import FORMATS, MAX_CALLS, MAX_NAME_CHARS, ParsedCall, openai_tool_call
 from relayrl.generator.v1 import generator_pb2
 
+_TOOL_CHOICES = {
+    generator_pb2.TOOL_CHOICE_UNSPECIFIED: "",
+    generator_pb2.TOOL_CHOICE_REQUIRED: REQUIRED,
+    generator_pb2.TOOL_CHOICE_FUNCTION: FUNCTION,
+}
 _FINISH = {
     "stop": common_pb2.FINISH_REASON_STOP,
     "length": common_pb2.FINISH_REASON_LENGTH,
@@ -75,6 +81,19 @@ def sampling_from_proto(p: generator_pb2.SamplingParams) -> SamplingSpec:
     if any(not 0 < len(s) <= MAX_STOP_CHARS for s in p.stop):
         raise InvalidRequest(f"sampling.stop strings must have 1 to {MAX_STOP_CHARS} characters")
     tool_format = check_tool_format(p.tool_format, "sampling.tool_format")
+    choice = _TOOL_CHOICES.get(p.tool_choice)
+    if choice is None:
+        raise InvalidRequest(f"sampling.tool_choice {p.tool_choice} is not one this contract knows")
+    if choice and not tool_format:
+        raise InvalidRequest("sampling.tool_choice needs sampling.tool_format (how the model writes calls)")
+    if bool(p.tool_choice_function) != (choice == FUNCTION):
+        raise InvalidRequest(
+            "sampling.tool_choice_function is given with tool_choice TOOL_CHOICE_FUNCTION, and only then"
+        )
+    if len(p.tool_choice_function) > MAX_NAME_CHARS:
+        raise InvalidRequest(f"sampling.tool_choice_function takes at most {MAX_NAME_CHARS} characters")
+    if p.json_schema:
+        check_json_schema(p.json_schema, "sampling.json_schema")
     return SamplingSpec(
         n=p.n,
         temperature=temperature,
@@ -88,7 +107,23 @@ def sampling_from_proto(p: generator_pb2.SamplingParams) -> SamplingSpec:
         ignore_eos=p.ignore_eos,
         tool_format=tool_format,
         fit_to_context=p.fit_to_context,
+        tool_choice=choice,
+        tool_choice_function=p.tool_choice_function,
+        single_tool_call=p.single_tool_call,
+        json_schema=p.json_schema,
     )
+
+
+def check_json_schema(text: str, name: str) -> None:
+    """A JSON schema given as text: a JSON object of at most ``MAX_TOOLS_JSON_CHARS``."""
+    if len(text) > MAX_TOOLS_JSON_CHARS:
+        raise InvalidRequest(f"{name}: {len(text)} characters; at most {MAX_TOOLS_JSON_CHARS}")
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError):
+        schema = None
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"{name} must be a JSON schema object")
 
 
 def check_tool_format(fmt: str, name: str) -> str:

@@ -349,7 +349,7 @@ async def test_curl_gets_json(gw):
         "wrong_key",
         "not_bearer",
         "n_2",
-        "tool_choice_required",
+        "tool_choice_required_without_tools",
         "no_messages",
         "messages_missing",
         "model_missing",

@@ -101,13 +101,19 @@ def test_a_tail_that_cannot_extend_tokens_breaks_with_its_reason(tail, tools, re
     assert p.parent is None and p.reason == reason
 
 
-def test_a_turn_cut_at_its_budget_is_not_extended_and_a_retry_forks():
+def test_a_turn_cut_at_its_budget_is_closed_and_extended_and_a_retry_forks():
     s = session()
     first = ChatRequest([SYSTEM, USER], TOOLS)
     cut = sample([1], [10, 11], ("calc", "{}"))
     cut.finish_reason = c.FINISH_REASON_LENGTH
     s.record(s.plan(first), first, cut)
-    assert s.plan(ChatRequest([SYSTEM, USER, assistant_call("{}"), tool("1")], TOOLS)).reason == "cut"
+    p = s.plan(ChatRequest([SYSTEM, USER, assistant_call("{}"), tool("1")], TOOLS))
+    assert p.parent == 0 and p.reason == "" and p.prompt.continuation.close_turn
+    assert list(p.prompt.continuation.prefix_token_ids) == [1, 10, 11]  # the generator adds the stop
+    aborted = session()
+    stopped_short = sample([1], [10, 11], ("calc", "{}"))  # ended without a stop token: not extended
+    aborted.record(aborted.plan(first), first, stopped_short)
+    assert aborted.plan(ChatRequest([SYSTEM, USER, assistant_call("{}"), tool("1")], TOOLS)).reason == "cut"
     s2 = session()
     s2.record(s2.plan(first), first, sample([1], [10, STOP], ("calc", "{}")))
     again = ChatRequest([SYSTEM, USER, assistant_call("{}"), tool("1")], TOOLS)
@@ -146,25 +152,51 @@ def test_a_set_reward_and_the_prefix_check_reach_the_close():
     assert out.reward_set and out.reward == 1.0 and dict(out.components) == {"correct": 1.0}
 
 
-def test_a_call_that_did_not_parse_reaches_the_agent_as_a_call_and_its_answer_extends_the_turn():
+def malformed_sample():
+    bad = sample([1], [10, STOP], ("", "<tool ="), text="Let me see. <tool =")
+    bad.tool_calls[0].parse = c.TOOL_CALL_PARSE_UNCLOSED_BLOCK
+    bad.content = "Let me see."
+    return bad
+
+
+def test_a_malformed_call_reaches_the_agent_as_its_text_is_counted_and_its_echo_extends_the_turn():
+    s = session()
+    first = ChatRequest([SYSTEM, USER], TOOLS)
+    answer = s.record(s.plan(first), first, malformed_sample())
+    # What the model wrote, as text: a final answer every client takes, no call to choke on.
+    assert answer.message.content == "Let me see. <tool =" and not answer.message.tool_calls
+    assert answer.finish_reason == "stop"
+    # The agent echoes it (stripped, as frameworks do) and asks again: the same segment.
+    echoed = c.ChatMessage(role="assistant", content="Let me see. <tool =\n")
+    nxt = ChatRequest([SYSTEM, USER, echoed, c.ChatMessage(role="user", content="Use the tool.")], TOOLS)
+    p = s.plan(nxt)
+    assert p.parent == 0 and p.prompt.HasField("continuation")
+    s.record(p, nxt, sample([1, 10, STOP, 4], [12, STOP], text="ok"))
+    out = s.close()
+    assert out.malformed_calls == 1 and out.history_breaks == 0 and len(out.segments) == 1
+
+
+def test_an_agent_that_asks_gets_a_malformed_call_as_a_call_and_its_answer_extends_the_turn():
     from relayrl.gateway.openai_api import _message_json
     from relayrl.gateway.sessions import reply_of
 
     s = session()
-    first = ChatRequest([SYSTEM, USER], TOOLS)
-    bad = sample([1], [10, STOP], ("", "<tool ="))
-    bad.tool_calls[0].parse = c.TOOL_CALL_PARSE_UNCLOSED_BLOCK
+    first = ChatRequest([SYSTEM, USER], TOOLS, malformed_as_calls=True)
+    bad = malformed_sample()
     answer = s.record(s.plan(first), first, bad)
     assert [(t.name, t.arguments_json) for t in answer.message.tool_calls] == [("", "<tool =")]
     assert answer.finish_reason == "tool_calls"
-    call = _message_json(reply_of(bad, "hermes"))["tool_calls"][0]
+    call = _message_json(reply_of(bad, "hermes", True))["tool_calls"][0]
     assert call["relayrl_parse_error"] == "unclosed_block" and call["function"]["arguments"] == "<tool ="
     # The agent answers it (as the white-box env words it) and goes on: the same segment.
     echoed = c.ChatMessage(
-        role="assistant", tool_calls=[c.ToolCall(id="mine", name="", arguments_json="<tool =")]
+        role="assistant",
+        content="Let me see.",
+        tool_calls=[c.ToolCall(id="mine", name="", arguments_json="<tool =")],
     )
     nxt = ChatRequest(
         [SYSTEM, USER, echoed, tool("error: the tool call has no closing tag (got: <tool =)")], TOOLS
     )
     p = s.plan(nxt)
     assert p.parent == 0 and p.prompt.HasField("continuation")
+    assert s.close().malformed_calls == 1

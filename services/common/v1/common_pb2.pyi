@@ -147,14 +147,16 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools_json: _Optional[str] = ...) -> None: ...
 
 class Continuation(_message.Message):
-    __slots__ = ("prefix_token_ids", "append", "tools_json")
+    __slots__ = ("prefix_token_ids", "append", "tools_json", "close_turn")
     PREFIX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
     TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_TURN_FIELD_NUMBER: _ClassVar[int]
     prefix_token_ids: _containers.RepeatedScalarFieldContainer[int]
     append: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     tools_json: str
-    def __init__(self, prefix_token_ids: _Optional[_Iterable[int]] = ..., append: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools_json: _Optional[str] = ...) -> None: ...
+    close_turn: bool
+    def __init__(self, prefix_token_ids: _Optional[_Iterable[int]] = ..., append: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools_json: _Optional[str] = ..., close_turn: _Optional[bool] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

@@ -137,7 +137,9 @@ class Client:
 
     def complete(self, messages: list, tools: list) -> dict:
         """The first choice of a chat completion: ``{"message": ..., "finish_reason": ...}``."""
-        body = {"model": self.model, "messages": messages}
+        # A call the model wrote malformed comes as a call with its relayrl_parse_error (not the
+        # gateway's default, text), so this agent answers it as the white-box env does.
+        body = {"model": self.model, "messages": messages, "relayrl_malformed_calls": "calls"}
         if tools:
             body["tools"] = tools
         data = json.dumps(body).encode()

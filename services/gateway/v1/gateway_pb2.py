@@ -26,7 +26,7 @@ from relayrl.common.v1 import common_pb2 as relayrl_dot_common_dot_v1_dot_common
 from relayrl.generator.v1 import generator_pb2 as relayrl_dot_generator_dot_v1_dot_generator__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n relayrl/gateway/v1/gateway.proto\x12\x12relayrl.gateway.v1\x1a\x1erelayrl/common/v1/common.proto\x1a$relayrl/generator/v1/generator.proto\"\xe3\x01\n\x12OpenSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nepisode_id\x18\x02 \x01(\t\x12\x36\n\x08sampling\x18\x03 \x01(\x0b\x32$.relayrl.generator.v1.SamplingParams\x12\x1a\n\x12max_episode_tokens\x18\x04 \x01(\r\x12\x11\n\tmax_calls\x18\x05 \x01(\r\x12\x13\n\x0bmin_version\x18\x06 \x01(\x04\x12\x13\n\x0bttl_seconds\x18\x07 \x01(\x01\x12\x14\n\x0c\x61gent_reward\x18\x08 \x01(\x08\"K\n\x13OpenSessionResponse\x12\x13\n\x0bsession_key\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\">\n\x13\x43loseSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bsession_key\x18\x02 \x01(\t\"\x87\x01\n\x07Segment\x12)\n\x06sample\x18\x01 \x01(\x0b\x32\x19.relayrl.common.v1.Sample\x12\x11\n\tloss_mask\x18\x02 \x03(\x02\x12(\n\x05\x63\x61lls\x18\x03 \x03(\x0b\x32\x19.relayrl.common.v1.Sample\x12\x14\n\x0c\x62reak_reason\x18\x04 \x01(\t\"\xac\x03\n\x14\x43loseSessionResponse\x12-\n\x08segments\x18\x01 \x03(\x0b\x32\x1b.relayrl.gateway.v1.Segment\x12\r\n\x05\x63\x61lls\x18\x02 \x01(\r\x12\x16\n\x0ehistory_breaks\x18\x03 \x01(\r\x12Q\n\rbreak_reasons\x18\x04 \x03(\x0b\x32:.relayrl.gateway.v1.CloseSessionResponse.BreakReasonsEntry\x12\x12\n\nreward_set\x18\x05 \x01(\x08\x12\x0e\n\x06reward\x18\x06 \x01(\x01\x12L\n\ncomponents\x18\x07 \x03(\x0b\x32\x38.relayrl.gateway.v1.CloseSessionResponse.ComponentsEntry\x12\x11\n\ttruncated\x18\x08 \x01(\r\x1a\x33\n\x11\x42reakReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb4\x01\n\x10SetRewardRequest\x12\x13\n\x0bsession_key\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12H\n\ncomponents\x18\x03 \x03(\x0b\x32\x34.relayrl.gateway.v1.SetRewardRequest.ComponentsEntry\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x13\n\x11SetRewardResponse2\xad\x02\n\x0eGatewayService\x12^\n\x0bOpenSession\x12&.relayrl.gateway.v1.OpenSessionRequest\x1a\'.relayrl.gateway.v1.OpenSessionResponse\x12\x61\n\x0c\x43loseSession\x12\'.relayrl.gateway.v1.CloseSessionRequest\x1a(.relayrl.gateway.v1.CloseSessionResponse\x12X\n\tSetReward\x12$.relayrl.gateway.v1.SetRewardRequest\x1a%.relayrl.gateway.v1.SetRewardResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n relayrl/gateway/v1/gateway.proto\x12\x12relayrl.gateway.v1\x1a\x1erelayrl/common/v1/common.proto\x1a$relayrl/generator/v1/generator.proto\"\xe3\x01\n\x12OpenSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nepisode_id\x18\x02 \x01(\t\x12\x36\n\x08sampling\x18\x03 \x01(\x0b\x32$.relayrl.generator.v1.SamplingParams\x12\x1a\n\x12max_episode_tokens\x18\x04 \x01(\r\x12\x11\n\tmax_calls\x18\x05 \x01(\r\x12\x13\n\x0bmin_version\x18\x06 \x01(\x04\x12\x13\n\x0bttl_seconds\x18\x07 \x01(\x01\x12\x14\n\x0c\x61gent_reward\x18\x08 \x01(\x08\"K\n\x13OpenSessionResponse\x12\x13\n\x0bsession_key\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\">\n\x13\x43loseSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bsession_key\x18\x02 \x01(\t\"\x87\x01\n\x07Segment\x12)\n\x06sample\x18\x01 \x01(\x0b\x32\x19.relayrl.common.v1.Sample\x12\x11\n\tloss_mask\x18\x02 \x03(\x02\x12(\n\x05\x63\x61lls\x18\x03 \x03(\x0b\x32\x19.relayrl.common.v1.Sample\x12\x14\n\x0c\x62reak_reason\x18\x04 \x01(\t\"\xe0\x03\n\x14\x43loseSessionResponse\x12-\n\x08segments\x18\x01 \x03(\x0b\x32\x1b.relayrl.gateway.v1.Segment\x12\r\n\x05\x63\x61lls\x18\x02 \x01(\r\x12\x16\n\x0ehistory_breaks\x18\x03 \x01(\r\x12Q\n\rbreak_reasons\x18\x04 \x03(\x0b\x32:.relayrl.gateway.v1.CloseSessionResponse.BreakReasonsEntry\x12\x12\n\nreward_set\x18\x05 \x01(\x08\x12\x0e\n\x06reward\x18\x06 \x01(\x01\x12L\n\ncomponents\x18\x07 \x03(\x0b\x32\x38.relayrl.gateway.v1.CloseSessionResponse.ComponentsEntry\x12\x11\n\ttruncated\x18\x08 \x01(\r\x12\x17\n\x0fmalformed_calls\x18\t \x01(\r\x12\x19\n\x11\x63onstrained_calls\x18\n \x01(\r\x1a\x33\n\x11\x42reakReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb4\x01\n\x10SetRewardRequest\x12\x13\n\x0bsession_key\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12H\n\ncomponents\x18\x03 \x03(\x0b\x32\x34.relayrl.gateway.v1.SetRewardRequest.ComponentsEntry\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x13\n\x11SetRewardResponse2\xad\x02\n\x0eGatewayService\x12^\n\x0bOpenSession\x12&.relayrl.gateway.v1.OpenSessionRequest\x1a\'.relayrl.gateway.v1.OpenSessionResponse\x12\x61\n\x0c\x43loseSession\x12\'.relayrl.gateway.v1.CloseSessionRequest\x1a(.relayrl.gateway.v1.CloseSessionResponse\x12X\n\tSetReward\x12$.relayrl.gateway.v1.SetRewardRequest\x1a%.relayrl.gateway.v1.SetRewardResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,17 +48,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SEGMENT']._serialized_start=498
   _globals['_SEGMENT']._serialized_end=633
   _globals['_CLOSESESSIONRESPONSE']._serialized_start=636
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1064
-  _globals['_CLOSESESSIONRESPONSE_BREAKREASONSENTRY']._serialized_start=962
-  _globals['_CLOSESESSIONRESPONSE_BREAKREASONSENTRY']._serialized_end=1013
-  _globals['_CLOSESESSIONRESPONSE_COMPONENTSENTRY']._serialized_start=1015
-  _globals['_CLOSESESSIONRESPONSE_COMPONENTSENTRY']._serialized_end=1064
-  _globals['_SETREWARDREQUEST']._serialized_start=1067
-  _globals['_SETREWARDREQUEST']._serialized_end=1247
-  _globals['_SETREWARDREQUEST_COMPONENTSENTRY']._serialized_start=1015
-  _globals['_SETREWARDREQUEST_COMPONENTSENTRY']._serialized_end=1064
-  _globals['_SETREWARDRESPONSE']._serialized_start=1249
-  _globals['_SETREWARDRESPONSE']._serialized_end=1268
-  _globals['_GATEWAYSERVICE']._serialized_start=1271
-  _globals['_GATEWAYSERVICE']._serialized_end=1572
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1116
+  _globals['_CLOSESESSIONRESPONSE_BREAKREASONSENTRY']._serialized_start=1014
+  _globals['_CLOSESESSIONRESPONSE_BREAKREASONSENTRY']._serialized_end=1065
+  _globals['_CLOSESESSIONRESPONSE_COMPONENTSENTRY']._serialized_start=1067
+  _globals['_CLOSESESSIONRESPONSE_COMPONENTSENTRY']._serialized_end=1116
+  _globals['_SETREWARDREQUEST']._serialized_start=1119
+  _globals['_SETREWARDREQUEST']._serialized_end=1299
+  _globals['_SETREWARDREQUEST_COMPONENTSENTRY']._serialized_start=1067
+  _globals['_SETREWARDREQUEST_COMPONENTSENTRY']._serialized_end=1116
+  _globals['_SETREWARDRESPONSE']._serialized_start=1301
+  _globals['_SETREWARDRESPONSE']._serialized_end=1320
+  _globals['_GATEWAYSERVICE']._serialized_start=1323
+  _globals['_GATEWAYSERVICE']._serialized_end=1624
 # @@protoc_insertion_point(module_scope)

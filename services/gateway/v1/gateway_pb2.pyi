@@ -59,7 +59,7 @@ class Segment(_message.Message):
     def __init__(self, sample: _Optional[_Union[_common_pb2.Sample, _Mapping]] = ..., loss_mask: _Optional[_Iterable[float]] = ..., calls: _Optional[_Iterable[_Union[_common_pb2.Sample, _Mapping]]] = ..., break_reason: _Optional[str] = ...) -> None: ...
 
 class CloseSessionResponse(_message.Message):
-    __slots__ = ("segments", "calls", "history_breaks", "break_reasons", "reward_set", "reward", "components", "truncated")
+    __slots__ = ("segments", "calls", "history_breaks", "break_reasons", "reward_set", "reward", "components", "truncated", "malformed_calls", "constrained_calls")
     class BreakReasonsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,8 @@ class CloseSessionResponse(_message.Message):
     REWARD_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    MALFORMED_CALLS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINED_CALLS_FIELD_NUMBER: _ClassVar[int]
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
     calls: int
     history_breaks: int
@@ -90,7 +92,9 @@ class CloseSessionResponse(_message.Message):
     reward: float
     components: _containers.ScalarMap[str, float]
     truncated: int
-    def __init__(self, segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., calls: _Optional[int] = ..., history_breaks: _Optional[int] = ..., break_reasons: _Optional[_Mapping[str, int]] = ..., reward_set: _Optional[bool] = ..., reward: _Optional[float] = ..., components: _Optional[_Mapping[str, float]] = ..., truncated: _Optional[int] = ...) -> None: ...
+    malformed_calls: int
+    constrained_calls: int
+    def __init__(self, segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., calls: _Optional[int] = ..., history_breaks: _Optional[int] = ..., break_reasons: _Optional[_Mapping[str, int]] = ..., reward_set: _Optional[bool] = ..., reward: _Optional[float] = ..., components: _Optional[_Mapping[str, float]] = ..., truncated: _Optional[int] = ..., malformed_calls: _Optional[int] = ..., constrained_calls: _Optional[int] = ...) -> None: ...
 
 class SetRewardRequest(_message.Message):
     __slots__ = ("session_key", "reward", "components")

@@ -8,6 +8,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ToolChoice(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOOL_CHOICE_UNSPECIFIED: _ClassVar[ToolChoice]
+    TOOL_CHOICE_REQUIRED: _ClassVar[ToolChoice]
+    TOOL_CHOICE_FUNCTION: _ClassVar[ToolChoice]
+
 class WeightTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     WEIGHT_TRANSPORT_UNSPECIFIED: _ClassVar[WeightTransport]
@@ -15,6 +21,9 @@ class WeightTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WEIGHT_TRANSPORT_NCCL: _ClassVar[WeightTransport]
     WEIGHT_TRANSPORT_SHM: _ClassVar[WeightTransport]
     WEIGHT_TRANSPORT_IPC: _ClassVar[WeightTransport]
+TOOL_CHOICE_UNSPECIFIED: ToolChoice
+TOOL_CHOICE_REQUIRED: ToolChoice
+TOOL_CHOICE_FUNCTION: ToolChoice
 WEIGHT_TRANSPORT_UNSPECIFIED: WeightTransport
 WEIGHT_TRANSPORT_GLOO: WeightTransport
 WEIGHT_TRANSPORT_NCCL: WeightTransport
@@ -22,7 +31,7 @@ WEIGHT_TRANSPORT_SHM: WeightTransport
 WEIGHT_TRANSPORT_IPC: WeightTransport
 
 class SamplingParams(_message.Message):
-    __slots__ = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "include_stop_str_in_output", "ignore_eos", "tool_format", "fit_to_context")
+    __slots__ = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "include_stop_str_in_output", "ignore_eos", "tool_format", "fit_to_context", "tool_choice", "tool_choice_function", "single_tool_call", "json_schema")
     N_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +44,10 @@ class SamplingParams(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     TOOL_FORMAT_FIELD_NUMBER: _ClassVar[int]
     FIT_TO_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    SINGLE_TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     n: int
     temperature: float
     top_p: float
@@ -47,7 +60,11 @@ class SamplingParams(_message.Message):
     ignore_eos: bool
     tool_format: str
     fit_to_context: bool
-    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., tool_format: _Optional[str] = ..., fit_to_context: _Optional[bool] = ...) -> None: ...
+    tool_choice: ToolChoice
+    tool_choice_function: str
+    single_tool_call: bool
+    json_schema: str
+    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., tool_format: _Optional[str] = ..., fit_to_context: _Optional[bool] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., tool_choice_function: _Optional[str] = ..., single_tool_call: _Optional[bool] = ..., json_schema: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompts", "sampling")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `docker compose up` on one box, for real: build relayrl's images, bring up deploy/compose with
-# the README's commands, train the example experiment through the coordinator, and check what a
+# the manual's commands (docs/compose.md), train the example experiment through the coordinator, and check what a
 # user expects of it:
 #   - every health check passes;
 #   - held-out accuracy rises;
@@ -21,7 +21,7 @@
 # It runs under its own compose project (relayrl-check), so it never touches a stack or volumes of
 # yours, and removes its volumes at the end (KEEP=1 keeps them, and a Docker engine it started).
 #
-# Where the README's defaults cannot be had, it says so and does this instead:
+# Where the manual's defaults cannot be had, it says so and does this instead:
 #   - Docker engine not running: as root, starts `dockerd --iptables=false` (the check never
 #     rewrites this machine's firewall; containers reach each other on the compose network) and
 #     stops it at the end.
@@ -194,7 +194,7 @@ for tag in relayrl/reward:$VERSION relayrl/coordinator:$VERSION; do
         fail "$tag holds torch, vLLM or DeepSpeed"
 done
 
-# -- secrets, as the README makes them ------------------------------------------------------------
+# -- secrets, as the manual makes them -------------------------------------------------------------
 if [ ! -f "$compose_dir/secrets/token" ]; then
     (cd "$compose_dir" && ../make-secrets.sh secrets) >>"$out/check.log"
 fi

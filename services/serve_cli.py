@@ -1,162 +1,103 @@
 """``relayrl serve SERVICE``: build a service's config from a YAML section, flags and ``--set``,
-then hand it to the service's ``server.run``. Heavy imports happen only after parsing."""
+then start the service in the foreground.
+
+``SERVICES`` (at the end) is the one table of what can be served: each service's config model,
+how it starts, and the few short flags kept by hand. Every other flag is made from the model
+(``relayrl.common.flags``): one per field, its help the field's docstring and its default the
+field's, so ``relayrl serve SERVICE --help`` is the config's reference and cannot drift from it.
+Precedence: the ``--config`` file, then the flags, then ``--set PATH=VALUE``, validated once.
+Heavy imports (vLLM, DeepSpeed, torch) happen only after parsing, in the service's ``start``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import importlib
 import logging
 import os
 import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
+from pydantic import BaseModel
 from relayrl.common import config as cfg
-
-# flag -> (config path, type, help). Flags are shortcuts for --set PATH=VALUE; type ``list`` makes a
-# repeatable flag whose values form the list, type ``bool`` a switch that sets true.
-_COMMON = {
-    "--host": ("serve.host", str, "address to bind (default 127.0.0.1; others need TLS or --insecure)"),
-    "--port": ("serve.port", int, "gRPC port (0: pick a free one)"),
-    "--metrics-port": ("serve.metrics_port", int, "Prometheus metrics port (0: pick a free one)"),
-    "--grace-seconds": ("serve.grace_seconds", float, "drain time on SIGTERM"),
-    "--tls-cert": ("serve.tls_cert", str, "PEM certificate chain to serve TLS with (with --tls-key)"),
-    "--tls-key": ("serve.tls_key", str, "PEM private key of --tls-cert"),
-    "--tls-client-ca": ("serve.tls_client_ca", str, "PEM CA callers' certificates must chain to (mTLS)"),
-    "--token-file": (
-        "serve.token_file",
-        str,
-        "file holding the bearer token callers must send (default: $RELAYRL_TOKEN_FILE)",
-    ),
-    "--insecure": ("serve.insecure", bool, "allow a non-loopback --host without TLS or caller check"),
-}
-SERVICES: dict[str, dict[str, tuple[str, type, str]]] = {
-    "generator": {
-        "--model": ("engine.model", str, "Hugging Face model folder"),
-        "--dtype": ("engine.dtype", str, "auto, float32, bfloat16, float16"),
-        "--tensor-parallel-size": ("engine.tensor_parallel_size", int, "GPUs per replica"),
-        "--max-model-len": ("engine.max_model_len", int, "longest prompt + completion"),
-        "--kv-cache-gib": ("engine.kv_cache_gib", float, "KV cache GiB (CPU)"),
-        "--replica-id": ("replica_id", str, "name reported with every sample"),
-    },
-    "learner": {
-        "--model": ("model", str, "Hugging Face model folder to train"),
-        "--role": ("role", str, "actor (the policy), critic (value model) or reference (frozen)"),
-        "--world-size": ("world_size", int, "ZeRO-3 ranks in all (nproc per node x nodes)"),
-        "--dtype": ("dtype", str, "float32 or bfloat16"),
-        "--lr": ("optim.lr", float, "peak learning rate"),
-        "--loss": ("loss.kind", str, "grpo, drgrpo, dapo, sft"),
-        "--checkpoint-dir": ("checkpoint_dir", str, "folder that checkpoint and export paths must lie in"),
-    },
-    "reward": {
-        "--workers": ("workers", int, "scoring processes (default 2)"),
-        "--timeout-seconds": ("timeout_seconds", float, "per-sample scoring limit when a request sets none"),
-        "--plugin": (
-            "plugins",
-            list,
-            "user scorer MODULE:FUNCTION (repeatable); the function's data_sources attribute lists "
-            "the data sources it scores",
-        ),
-    },
-    "coordinator": {},
-    "env": {
-        "--plugin": (
-            "plugins",
-            list,
-            "user environment MODULE:CLASS (repeatable): an Env subclass, or a TRL-style class "
-            "(public methods are tools, reset(**row), get_reward())",
-        ),
-        "--max-sessions": ("max_sessions", int, "most sessions open at once (default 1024)"),
-        "--lease-seconds": (
-            "lease_seconds",
-            float,
-            "idle time after which a session is closed (default 300)",
-        ),
-    },
-    "gateway": {
-        "--generator": ("generators", list, "generator replica HOST:PORT to sample on (repeatable)"),
-        "--http-host": ("http.host", str, "address of the OpenAI-compatible API (default 127.0.0.1)"),
-        "--http-port": ("http.port", int, "port of the OpenAI-compatible API (0: pick a free one)"),
-        "--public-url": ("http.public_url", str, "base URL handed to agents (default: as bound)"),
-        "--model-name": ("model_name", str, "model name agents ask for (default relayrl-policy)"),
-    },
-}
-# Metavar of the repeatable (list) flags, by service.
-_LIST_METAVAR = {"env": "MODULE:CLASS", "gateway": "HOST:PORT"}
-# Launcher flags of the learner (torchrun rendezvous), not config fields.
-_LAUNCH = {
-    "--nnodes": (int, "nodes taking part (default 1)"),
-    "--node-rank": (int, "this node's rank (default 0)"),
-    "--master-addr": (str, "rank 0's host for the training rendezvous (default 127.0.0.1)"),
-    "--master-port": (int, "rendezvous port (default: a free one, single node only)"),
-}
+from relayrl.common import flags
+from relayrl.coordinator.config import CoordinatorServeConfig
+from relayrl.env.config import EnvConfig
+from relayrl.gateway.config import GatewayConfig
+from relayrl.generator.config import GeneratorConfig
+from relayrl.learner.config import LearnerConfig
+from relayrl.reward.config import RewardConfig
 
 
-def _config_class(service: str):
-    if service == "generator":
-        from relayrl.generator.config import GeneratorConfig
+@dataclass(frozen=True)
+class Service:
+    """One service ``relayrl serve`` runs."""
 
-        return GeneratorConfig
-    if service == "learner":
-        from relayrl.learner.config import LearnerConfig
+    config: type[BaseModel]
+    """Its config model: every field is a flag."""
+    start: Callable[[Any, argparse.Namespace], int]
+    """Runs it with its validated config (and the parsed flags); returns the exit status."""
+    flat: tuple[str, ...] = ("serve",)
+    """Sections whose fields are flags under their own names too (``--port`` for ``serve.port``)."""
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    """Further short flags, kept by hand because scripts and deploy files use them: flag -> field."""
+    launcher_flags: Callable[[argparse.ArgumentParser], None] | None = None
+    """Adds the flags of its launcher, which are not config fields (the learner's torchrun)."""
 
-        return LearnerConfig
-    if service == "coordinator":
-        from relayrl.coordinator.config import CoordinatorServeConfig
 
-        return CoordinatorServeConfig
-    if service == "reward":
-        from relayrl.reward.config import RewardConfig
+@dataclass(frozen=True)
+class Server:
+    """``start`` of a service whose ``module.run(config, port_file)`` serves it until SIGTERM;
+    what ``run`` returns, if anything, is why the process exits with status 1 (to be restarted)."""
 
-        return RewardConfig
-    if service == "env":
-        from relayrl.env.config import EnvConfig
+    module: str
+    """The server module, imported only once the config is valid (it brings the engines)."""
+    before: Callable[[], object] | None = None
+    """Runs first: settings of the process that the module's imports must see."""
 
-        return EnvConfig
-    if service == "gateway":
-        from relayrl.gateway.config import GatewayConfig
-
-        return GatewayConfig
-    raise SystemExit(f"relayrl serve: unknown service {service!r}")
+    def __call__(self, config, args: argparse.Namespace) -> int:
+        if self.before is not None:
+            self.before()
+        run = importlib.import_module(self.module).run
+        died = asyncio.run(run(config, args.port_file))
+        if died:
+            raise SystemExit(f"{died}: exiting with status 1 to be restarted")
+        return 0
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="run one service (generator, ...) in the foreground")
     sub = p.add_subparsers(dest="service", required=True, metavar="SERVICE")
-    for name, flags in SERVICES.items():
-        s = sub.add_parser(name, help=f"serve relayrl.{name}.v1")
+    for name, service in SERVICES.items():
+        s = sub.add_parser(
+            name,
+            help=f"serve relayrl.{name}.v1",
+            usage="%(prog)s [--config FILE] [--set PATH=VALUE] [--port-file FILE] [FLAG VALUE ...]",
+            description=f"Serve relayrl.{name}.v1. Its config ({service.config.__name__}) comes from "
+            "--config, then the flags below, then --set, in that order.",
+            formatter_class=flags.HelpFormatter,
+            allow_abbrev=False,  # a command line says every flag in full
+        )
         s.add_argument("--config", help="YAML file holding this service's config section")
         s.add_argument(
             "--set", action="append", default=[], metavar="PATH=VALUE", help="override a config field"
         )
         s.add_argument("--port-file", help="write the bound gRPC port here once serving")
-        for flag, (_path, typ, helptext) in {**_COMMON, **flags}.items():
-            if typ is list:
-                metavar = _LIST_METAVAR.get(name, "MODULE:FUNCTION")
-                s.add_argument(flag, action="append", metavar=metavar, help=helptext)
-            elif typ is bool:  # None unless given, so a config file's value stands
-                s.add_argument(flag, action="store_const", const=True, help=helptext)
-            else:
-                s.add_argument(flag, type=typ, help=helptext)
-        if name == "learner":
-            for flag, (typ, helptext) in _LAUNCH.items():
-                s.add_argument(flag, type=typ, help=helptext)
-            s.add_argument(
-                "--rank-from-slurm",
-                action="store_true",
-                help="this process is one rank, started by srun (one task per rank): its rank from "
-                "SLURM_PROCID, SLURM_LOCALID and SLURM_NTASKS, no torchrun; --master-addr and "
-                "--master-port name rank 0's rendezvous",
-            )
-        s.set_defaults(func=run, _flags={**_COMMON, **flags})
+        if service.launcher_flags is not None:
+            service.launcher_flags(s)
+        made = flags.add_flags(s, service.config, flat=service.flat, aliases=service.aliases)
+        s.set_defaults(func=run, _flags=made)
 
 
 def build_config(args: argparse.Namespace):
-    overrides = []
-    for flag, (path, _t, _h) in args._flags.items():
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None:  # lists as JSON: a YAML flow sequence that keeps "a:b" one string
-            overrides.append(f"{path}={json.dumps(value) if isinstance(value, list) else value}")
-    return cfg.load(_config_class(args.service), args.config, [*overrides, *args.set])
+    """The service's config: the ``--config`` file, the flags given, then ``--set``."""
+    data = cfg.read_yaml(args.config) if args.config is not None else {}
+    for path, value in flags.given(args, args._flags).items():
+        flags.put(data, path, value)
+    return cfg.build(SERVICES[args.service].config, data, args.set, source=args.config or "")
 
 
 def eager_without_compiler() -> bool:
@@ -186,35 +127,14 @@ def run(args: argparse.Namespace) -> int:
     config = build_config(args)
     check_access(args.service, config.serve)
     logging.getLogger("relayrl").setLevel(min(logging.INFO, logging.getLogger().level))
-    if args.service == "generator":
-        # On CPU, vLLM's in-process engine with one OpenMP thread starts in seconds and runs as
-        # fast; users on GPUs keep vLLM's defaults.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        eager_without_compiler()
-        from relayrl.generator.server import run as serve
+    return SERVICES[args.service].start(config, args)
 
-        died = asyncio.run(serve(config, args.port_file))
-        if died:
-            raise SystemExit(f"{died}: exiting with status 1 to be restarted")
-    elif args.service == "learner":
-        return launch_learner(config, args)
-    elif args.service == "reward":
-        from relayrl.reward.server import run as serve
 
-        asyncio.run(serve(config, args.port_file))
-    elif args.service == "coordinator":
-        from relayrl.coordinator.server import run as serve
-
-        asyncio.run(serve(config, args.port_file))
-    elif args.service == "env":
-        from relayrl.env.server import run as serve
-
-        asyncio.run(serve(config, args.port_file))
-    elif args.service == "gateway":
-        from relayrl.gateway.server import run as serve
-
-        asyncio.run(serve(config, args.port_file))
-    return 0
+def vllm_on_this_host() -> None:
+    """On CPU, vLLM's in-process engine with one OpenMP thread starts in seconds and runs as
+    fast; users on GPUs keep vLLM's defaults."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    eager_without_compiler()
 
 
 def check_access(service: str, serve) -> None:
@@ -300,3 +220,48 @@ def launch_learner(config, args: argparse.Namespace) -> int:
     ]
     logging.getLogger(__name__).info("launching: %s", " ".join(cmd))
     os.execv(sys.executable, cmd)
+
+
+def torchrun_flags(parser: argparse.ArgumentParser) -> None:
+    """The learner's launcher flags: torchrun's rendezvous, or ranks that srun started."""
+    g = parser.add_argument_group("launcher", "How the ranks start (not config fields).")
+    g.add_argument("--nnodes", type=int, help="nodes taking part (default 1)")
+    g.add_argument("--node-rank", type=int, help="this node's rank (default 0)")
+    g.add_argument("--master-addr", help="rank 0's host for the training rendezvous (default 127.0.0.1)")
+    g.add_argument("--master-port", type=int, help="rendezvous port (default: a free one, single node only)")
+    g.add_argument(
+        "--rank-from-slurm",
+        action="store_true",
+        help="this process is one rank, started by srun (one task per rank): its rank from "
+        "SLURM_PROCID, SLURM_LOCALID and SLURM_NTASKS, no torchrun; --master-addr and "
+        "--master-port name rank 0's rendezvous",
+    )
+
+
+SERVICES: dict[str, Service] = {
+    "generator": Service(
+        GeneratorConfig,
+        Server("relayrl.generator.server", before=vllm_on_this_host),
+        flat=("serve", "engine"),
+    ),
+    "learner": Service(
+        LearnerConfig,
+        launch_learner,
+        aliases={"--lr": "optim.lr", "--loss": "loss.kind"},
+        launcher_flags=torchrun_flags,
+    ),
+    "reward": Service(RewardConfig, Server("relayrl.reward.server"), aliases={"--plugin": "plugins"}),
+    "coordinator": Service(CoordinatorServeConfig, Server("relayrl.coordinator.service.server")),
+    "env": Service(EnvConfig, Server("relayrl.env.server"), aliases={"--plugin": "plugins"}),
+    "gateway": Service(
+        GatewayConfig,
+        Server("relayrl.gateway.server"),
+        aliases={
+            "--generator": "generators",
+            "--http-host": "http.host",
+            "--http-port": "http.port",
+            "--public-url": "http.public_url",
+        },
+    ),
+}
+"""What ``relayrl serve`` runs: service name -> config model, start, short flags."""

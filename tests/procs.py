@@ -6,7 +6,7 @@ import itertools
 from contextlib import contextmanager
 from pathlib import Path
 
-from relayrl.coordinator.launcher import ServiceProcess
+from relayrl.coordinator.launch.processes import ServiceProcess
 
 _ids = itertools.count()
 

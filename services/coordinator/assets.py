@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from relayrl.coordinator.config import EPISODE_WARM_STARTS, ExperimentConfig, TinyModelSpec
-from relayrl.coordinator.trackers import missing_packages
+from relayrl.coordinator.records.trackers import missing_packages
 
 
 def missing_inputs(cfg: ExperimentConfig) -> list[str]:

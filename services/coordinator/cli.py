@@ -74,7 +74,7 @@ def ray_overrides(args: argparse.Namespace) -> list[str]:
 
 def launch_ray(args: argparse.Namespace) -> int:
     cfg, resume_dir = _experiment(args, ray_overrides(args))
-    from relayrl.coordinator.ray.launch import launch
+    from relayrl.coordinator.run import launch_ray as launch
 
     launch(cfg, resume_dir=resume_dir)
     return 0
@@ -82,7 +82,7 @@ def launch_ray(args: argparse.Namespace) -> int:
 
 def launch_slurm(args: argparse.Namespace) -> int:
     cfg, resume_dir = _experiment(args, args.set)
-    from relayrl.coordinator.slurm.launch import launch
+    from relayrl.coordinator.run import launch_slurm as launch
 
     launch(cfg, resume_dir=resume_dir)  # a requeued job resumes its own run
     return 0

@@ -12,16 +12,17 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 from relayrl.common.config import StrictModel
+from relayrl.common.data.tasks import TASKS
 from relayrl.common.serving import ClientSecurity, ServeConfig
-from relayrl.coordinator.ray.config import RaySection
+from relayrl.coordinator.launch.ray.config import RaySection
 from relayrl.env.config import EnvConfig
 from relayrl.gateway.config import GatewayConfig
 from relayrl.generator.config import GeneratorConfig
 from relayrl.learner.config import LearnerConfig
 from relayrl.reward.config import RewardConfig
 
-Task = Literal["countdown", "arithmetic", "reverse", "calc", "guess"]  # the built-in tasks of the data kit
-TinyTask = Literal["countdown", "arithmetic", "reverse", "calc", "guess", "pyexec"]
+Task = Literal[tuple(TASKS)]  # the built-in tasks of the data kit, from its registry
+TinyTask = Literal[(*TASKS, "pyexec")]
 """What a tiny model may be warm-started on: a data kit task, or an env whose warm start is on its
 episodes of a data kit task (``pyexec``: calc's rows, a python tool)."""
 

@@ -75,7 +75,7 @@ def _lora_serving(exp: ExperimentConfig) -> None:
 INHERITED = {
     "critic": ("model", "dtype", "world_size", "zero_stage", "micro_batch_tokens", "gradient_checkpointing",
                "logits_chunk_mib", "optim", "security", "checkpoint_dir"),
-    "reference": ("model", "dtype", "zero_stage", "micro_batch_tokens", "logits_chunk_mib", "security",
+    "reference": ("model", "dtype", "zero_stage", "micro_batch_tokens", "logits_chunk_mib", "lm_head", "security",
                   "checkpoint_dir"),
 }  # fmt: skip
 """What the critic and the reference take from the learner section where their own leaves a field

@@ -32,12 +32,12 @@ from pathlib import Path
 import grpc
 from relayrl.common import logcontext
 from relayrl.common.data.dataset import atomic_write
-from relayrl.coordinator import algorithms
-from relayrl.coordinator.algorithms import Algorithm, TrainBatch
-from relayrl.coordinator.batch import nothing, reward_stats, scored
-from relayrl.coordinator.clients import GeneratorPool, LearnerClient
+from relayrl.coordinator.algorithms.base import Algorithm, TrainBatch, nothing
+from relayrl.coordinator.algorithms.rewards import reward_stats, scored
+from relayrl.coordinator.clients.generators import GeneratorPool
+from relayrl.coordinator.clients.learner import LearnerClient
 from relayrl.coordinator.config import ExperimentConfig
-from relayrl.coordinator.rollouts import RolloutSource
+from relayrl.coordinator.rollout.base import RolloutSource
 from relayrl.learner.v1 import learner_pb2 as lp
 from relayrl.reward.v1 import reward_pb2 as rw
 
@@ -82,13 +82,13 @@ class Experiment:
         generators: GeneratorPool,
         rollouts: RolloutSource,
         learner: LearnerClient,
-        algorithm: Algorithm | None = None,
+        algorithm: Algorithm,
         on_record: Callable[[dict], None] | None = None,
         weights_lock: asyncio.Lock | None = None,
     ):
         """``generators``: the rotation weights are pushed to (``rollouts`` samples from it);
-        ``algorithm``: the experiment's family with its learner roles (default: one calling no
-        role); ``weights_lock``: held while the policy version moves (a train step and its
+        ``algorithm``: the experiment's family with its learner roles (``algorithms.make``);
+        ``weights_lock``: held while the policy version moves (a train step and its
         push), so that a generator readmitted meanwhile is pushed a version that stays current."""
         self.cfg = cfg
         self.run_dir = run_dir
@@ -97,7 +97,7 @@ class Experiment:
         self.gen = generators
         self.rollouts = rollouts
         self.learner = learner
-        self.algorithm = algorithm or algorithms.make(cfg, {}, run_dir.name)
+        self.algorithm = algorithm
         # Roles beside the actor that train (a step and a checkpoint each), with their steps done.
         self.trained = {r: self.algorithm.learners[r] for r, t in self.algorithm.roles(cfg).items() if t}
         self.role_steps = dict.fromkeys(self.trained, 0)
@@ -198,7 +198,7 @@ class Experiment:
                 # A generator that dies during a push fails it for every replica (a broadcast
                 # group lost a member; the learner's ranks stay in step). The dead leave the
                 # rotation and the learner's list, the rest get the weights again, and the dead
-                # come back later at the weights of that time (rotation.py).
+                # come back later at the weights of that time (clients/rotation.py).
                 if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == PUSH_ATTEMPTS - 1:
                     raise
                 dropped = await self.gen.drop_unserving()

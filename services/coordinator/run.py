@@ -1,5 +1,7 @@
-"""``relayrl run``: one experiment in a registry, served over ``CoordinatorService`` while it runs
-(so ``relayrl status/stop/list`` reach it), with progress shown.
+"""``relayrl run`` (and ``relayrl launch ray|slurm``): one experiment in a registry, served over
+``CoordinatorService`` while it runs (so ``relayrl status/stop/list`` reach it), with progress
+shown. Its services are local processes (the embedded default), Ray actors (``launch_ray``) or
+steps of the Slurm job it runs in (``launch_slurm``); the run is the same.
 
 Ctrl-C or SIGTERM once: the run ends its step, writes a checkpoint, stops the services it
 started and exits 0, within ``services.stop_grace_seconds`` (past it the run is cancelled where
@@ -21,9 +23,9 @@ from pathlib import Path
 
 from relayrl.coordinator.assets import missing_inputs
 from relayrl.coordinator.config import ExperimentConfig
-from relayrl.coordinator.progress import progress
-from relayrl.coordinator.registry import FAILED, PENDING, STOPPED, Handle, Registry
-from relayrl.coordinator.runfolder import load_records
+from relayrl.coordinator.records.progress import progress
+from relayrl.coordinator.records.runfolder import load_records
+from relayrl.coordinator.service.registry import FAILED, PENDING, STOPPED, Handle, Registry
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +39,7 @@ async def _run_and_serve(
 ) -> Handle:
     """Serve CoordinatorService (for ``relayrl status/stop/list``) while the experiment runs."""
     from relayrl.common.grpc_server import start_metrics_server
-    from relayrl.coordinator.server import build
+    from relayrl.coordinator.service.server import build
 
     registry = Registry(services_factory)
     handle_srv = build(registry)  # loopback, a free port
@@ -130,3 +132,25 @@ def run(
         print(f"reward curve: {h.run_dir / 'reward_curve.png'}", flush=True)
     print(f"{h.run_id}: {h.state} at step {h.step}", flush=True)
     return h.run_dir
+
+
+def launch_ray(cfg: ExperimentConfig, resume_dir: Path | None = None) -> Path:
+    """``relayrl launch ray``: ``run`` with the services as Ray actors in placement groups
+    (``launch.ray``); the Ray connection ends with it (a private instance stops)."""
+    from relayrl.coordinator.launch.ray.services import RayServices, cluster
+
+    with cluster(cfg):
+        return run(cfg, resume_dir, services_factory=RayServices, prog="relayrl launch ray")
+
+
+def launch_slurm(cfg: ExperimentConfig, resume_dir: Path | None = None) -> Path:
+    """``relayrl launch slurm``: ``run`` with the services as steps of the Slurm job this runs in
+    (``launch.slurm``); a requeued job resumes the run it started."""
+    from relayrl.coordinator.launch.slurm.services import SlurmServices, job
+
+    with job(cfg) as requeued:
+        if requeued is not None and resume_dir is None:
+            from relayrl.coordinator.derive import load_experiment
+
+            cfg, resume_dir = load_experiment(requeued / "config.yaml"), requeued
+        return run(cfg, resume_dir, services_factory=SlurmServices, prog="relayrl launch slurm")

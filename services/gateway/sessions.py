@@ -16,7 +16,7 @@ rendered whole and opens a new segment: a history break, counted by reason. Segm
 learner samples of their own; each trains.
 
 Call ``k`` of a session is the generator prompt ``<episode_id>/t<k>``, as turn ``k`` of a
-white-box episode (``coordinator/episodes.py``): the same seed and episode give the same tokens
+white-box episode (``coordinator/rollout/tool_episodes.py``): the same seed and episode give the same tokens
 through the gateway as without it."""
 
 from __future__ import annotations

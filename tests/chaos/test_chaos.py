@@ -144,7 +144,7 @@ class Run:
 
 
 def _records(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
-    from relayrl.coordinator.runfolder import load_records
+    from relayrl.coordinator.records.runfolder import load_records
 
     return load_records(run_dir, name)
 

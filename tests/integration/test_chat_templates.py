@@ -130,7 +130,7 @@ def test_chat_template_and_stops_from_the_folder_reach_the_learner_token_for_tok
     import grpc
     import torch
     from relayrl.common.v1 import common_pb2
-    from relayrl.coordinator.batch import train_sample
+    from relayrl.coordinator.rollout.base import train_sample
     from relayrl.generator.v1 import generator_pb2 as g
     from relayrl.generator.v1 import generator_pb2_grpc as gg
     from relayrl.learner.config import LearnerConfig

@@ -176,8 +176,8 @@ def _programmatic(root: Path, exp: Path, overrides: list[str], on_record):
     """Run the coordinator in this process against embedded services the test can kill."""
     from relayrl.coordinator.derive import load_experiment
     from relayrl.coordinator.drive import drive
-    from relayrl.coordinator.local_services import LocalServices
-    from relayrl.coordinator.runfolder import new_run_dir
+    from relayrl.coordinator.launch.local import LocalServices
+    from relayrl.coordinator.records.runfolder import new_run_dir
 
     cfg = load_experiment(exp, overrides)
     run_dir = new_run_dir(cfg)
@@ -236,7 +236,7 @@ def test_a_generator_killed_while_the_learner_trains_costs_one_push_not_the_othe
     replica, already waiting for the first bucket, must stop within a second (the learner
     marks the push abandoned), not at the group's timeout (minutes): the push is retried without
     the dead one and the run goes on at full speed with one replica."""
-    from relayrl.coordinator.clients import LearnerClient
+    from relayrl.coordinator.clients.learner import LearnerClient
 
     box: dict = {}
     train_step = LearnerClient.train_step
@@ -338,7 +338,7 @@ def test_a_generator_killed_and_started_again_rejoins_at_the_learners_weights(
         ],
         on_record,
     )
-    caplog.set_level("INFO", logger="relayrl.coordinator.rotation")
+    caplog.set_level("INFO", logger="relayrl.coordinator.clients.rotation")
     try:
         exp_done = go()
         statuses = {name: asyncio.run(_generator_status(a)) for name, a in services.generators.items()}

@@ -75,17 +75,19 @@ def _cfg(env: str):
 
 
 async def _rollout(stack, env: str):
-    """The coordinator's own episodes (``MultiTurn``) of ``env`` on the real services."""
-    from relayrl.coordinator.clients import GeneratorPool
-    from relayrl.coordinator.envs import EnvPool
-    from relayrl.coordinator.episodes import MultiTurn
-    from relayrl.coordinator.gateways import GatewayPool
+    """The coordinator's own episodes (the source ``rollout.make`` picks) of ``env`` on the real
+    services."""
+    from relayrl.coordinator import rollout
+    from relayrl.coordinator.clients.envs import EnvPool
+    from relayrl.coordinator.clients.gateways import GatewayPool
+    from relayrl.coordinator.clients.generators import GeneratorPool
 
     gens = GeneratorPool({"gen-0": stack.gen}, 300)
     envs = EnvPool({"env-0": stack.env}, 300)
     gateways = GatewayPool({"gateway-0": stack.gateway}, 300)
     try:
-        return await MultiTurn(_cfg(env), gens, envs, None, gateways).rollout(ROWS, False, "s1", 0)
+        source = await rollout.make(_cfg(env), gens, None, envs, gateways)
+        return await source.rollout(ROWS, False, "s1", 0)
     finally:
         for pool in (gens, envs, gateways):
             await pool.close()
@@ -110,7 +112,8 @@ def _open(stack, episode_id: str, **sampling) -> gw.OpenSessionResponse:
     from relayrl.generator.v1 import generator_pb2 as g
 
     with grpc.insecure_channel(stack.gateway) as ch:
-        params = g.SamplingParams(max_tokens=48, temperature=1.0, seed=11, tool_format="hermes", **sampling)
+        given = {"max_tokens": 48, "temperature": 1.0, "seed": 11, "tool_format": "hermes"}
+        params = g.SamplingParams(**{**given, **sampling})
         return gwg.GatewayServiceStub(ch).OpenSession(
             gw.OpenSessionRequest(episode_id=episode_id, sampling=params, max_episode_tokens=160), timeout=30
         )
@@ -184,7 +187,7 @@ def test_an_in_test_agent_on_the_official_client_matches_the_white_box_episode(s
     """The agent side in this process (the official client, the env's own calc tool for the
     answers): its one segment is the white-box episode of the same id."""
     openai = pytest.importorskip("openai")
-    from relayrl.coordinator.episodes import env_seed
+    from relayrl.coordinator.rollout.episodes import env_seed
     from relayrl.env.base import Action, ToolCall
     from relayrl.env.calc import CalcEnv
 
@@ -198,7 +201,13 @@ def test_an_in_test_agent_on_the_official_client_matches_the_white_box_episode(s
         messages = env.reset(row, env_seed(11, eid))
         for _ in range(3):
             try:
-                r = client.chat.completions.create(model=opened.model, messages=messages, tools=_tools())
+                r = client.chat.completions.create(
+                    model=opened.model,
+                    messages=messages,
+                    tools=_tools(),
+                    # a malformed call as a call, answered as the white-box env answers it
+                    extra_body={"relayrl_malformed_calls": "calls"},
+                )
             except openai.BadRequestError as e:
                 # The tool's answer filled the episode's token budget: OpenAI's "context length
                 # exceeded", which ends the episode cut, as the white-box side ends it.
@@ -235,10 +244,78 @@ def _stop_ids(stack) -> list[int]:
     return list(check.stop_token_ids)
 
 
+def test_required_and_named_tool_choices_are_enforced_with_real_sampling_and_the_tokens_are_exact(
+    stack, model
+):
+    """tool_choice "required" and a named function, through both APIs, on a prompt the model
+    would answer in words: vLLM's structured output (the structural tag the generator builds)
+    lets through only calls of the tools in the model's own syntax, then the end of the turn.
+    What the gateway records is what vLLM sampled: the segment is the call's tokens, their text
+    is the call the agent got, its log-probs are finite, and the same seed and episode give the
+    same tokens again."""
+    openai = pytest.importorskip("openai")
+    from relayrl.generator.toolcalls import parse_hermes
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    stop = _stop_ids(stack)
+    say_hello = [{"role": "user", "content": "Say hello."}]
+    # calc's schema with a bound on the expression (the grammar enforces it): an untrained call
+    # cannot run past the token budget.
+    tools = _tools()
+    tools[0]["function"]["parameters"]["properties"]["expression"]["maxLength"] = 24
+    responses_tools = [{"type": "function", **t["function"]} for t in tools]
+    runs = []
+    for api, choice in [("chat", "required"), ("chat", "calc"), ("responses", "required"), ("responses", "calc"),
+                        ("chat", "calc")]:  # fmt: skip
+        seed_twin = len(runs) == 4  # the same episode as run 1: the same tokens
+        opened = _open(stack, f"choice/{1 if seed_twin else len(runs)}", stop_token_ids=stop, max_tokens=96)
+        client = openai.OpenAI(base_url=opened.base_url, api_key=opened.session_key, max_retries=0)
+        if api == "chat":
+            tc = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
+            r = client.chat.completions.create(
+                model=opened.model, messages=say_hello, tools=tools, tool_choice=tc
+            )
+            calls = [(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls or []]
+            assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
+        else:
+            tc = choice if choice == "required" else {"type": "function", "name": choice}
+            r = client.responses.create(
+                model=opened.model, input=say_hello, tools=responses_tools, tool_choice=tc
+            )
+            calls = [(x.name, x.arguments) for x in r.output if x.type == "function_call"]
+            assert r.status == "completed"
+        assert calls and all(name == "calc" for name, _ in calls), (api, choice, r)
+        assert len(calls) == 1 or choice == "required"
+        for _, arguments in calls:
+            args = json.loads(arguments)  # the tool's schema: one string "expression", 24 at most
+            assert list(args) == ["expression"] and isinstance(args["expression"], str)
+            assert len(args["expression"]) <= 24
+        closed = _close(stack, opened.session_key)
+        assert (closed.constrained_calls, closed.malformed_calls, len(closed.segments)) == (1, 0, 1)
+        (seg,) = closed.segments
+        (sampled,) = seg.calls
+        completion = list(sampled.completion_token_ids)
+        assert list(seg.sample.completion_token_ids) == completion and list(seg.loss_mask) == [1.0] * len(
+            completion
+        )
+        assert completion[-1] in stop
+        # The recorded tokens are the calls the agent got, in the model's syntax, nothing else.
+        text = tok.decode(completion[:-1], skip_special_tokens=False)
+        content, parsed = parse_hermes(text)
+        assert content == "" and text.startswith('<tool_call>\n{"name": "calc", "arguments": '), text
+        assert [(p.name, json.loads(p.arguments_json), p.parse.name) for p in parsed] == [
+            (n, json.loads(a), "OK") for n, a in calls
+        ]
+        assert len(sampled.logprobs) == len(completion) and all(-100 < lp <= 0 for lp in sampled.logprobs)
+        runs.append(completion)
+    assert runs[4] == runs[1]
+
+
 def test_a_rewritten_history_is_a_counted_break_and_its_segments_make_learner_samples(stack):
     openai = pytest.importorskip("openai")
-    from relayrl.coordinator.agent_episodes import episode_of
-    from relayrl.coordinator.batch import Rollout
+    from relayrl.coordinator.rollout.agent_episodes import episode_of
+    from relayrl.coordinator.rollout.base import Rollout
 
     opened = _open(stack, "rewrite/0", stop_token_ids=_stop_ids(stack))
     client = openai.OpenAI(base_url=opened.base_url, api_key=opened.session_key, max_retries=0)

@@ -116,7 +116,7 @@ def test_the_loop_runs_across_four_hosts(model, tmp_path):
     why = _netns_usable()
     if why:
         pytest.skip(why)
-    from relayrl.coordinator.launcher import ServiceProcess
+    from relayrl.coordinator.launch.processes import ServiceProcess
 
     from tests.kit.pki import CA
 

@@ -1,5 +1,6 @@
-"""Black-box episodes in the coordinator (``coordinator.agent_episodes`` through
-``episodes.MultiTurn``), against stand-in env and gateway clients: a gateway session per episode
+"""Black-box episodes in the coordinator (``coordinator/rollout/agent_episodes.py`` over the episode
+lifecycle of ``rollout/episodes.py``, as ``rollout.make`` builds them), against stand-in env and
+gateway clients: a gateway session per episode
 whose endpoint reaches the env's Reset, the recorded segments as the episode's learner samples,
 the harness's own reward preferred, and an agent that never called the model masked (never a
 reward of 0)."""
@@ -11,13 +12,14 @@ from types import SimpleNamespace
 
 import pytest
 from relayrl.common.v1 import common_pb2
-from relayrl.coordinator.envs import EpisodeLost
-from relayrl.coordinator.episodes import ChatTemplateUnfit, MultiTurn
+from relayrl.coordinator.clients.envs import EpisodeLost
+from relayrl.coordinator.rollout.agent_episodes import AgentEpisodes
+from relayrl.coordinator.rollout.episodes import ChatTemplateUnfit
 from relayrl.env.v1 import env_pb2 as ev
 from relayrl.gateway.v1 import gateway_pb2 as gw
 from relayrl.reward.v1 import reward_pb2 as rw
 
-from tests.unit.test_episodes import STOP, TOOLS, Gen, _cfg
+from tests.unit.test_episodes import STOP, TOOLS, Gen, _cfg, episodes
 
 REP = SimpleNamespace(name="gateway-0", healthy=True)
 
@@ -88,7 +90,9 @@ def _run(source):
 def test_a_black_box_episode_is_its_gateway_segment_with_the_envs_reward():
     env, gws = BlackBoxEnv(), Gateways(lambda key: gw.CloseSessionResponse(
         segments=[segment([1, 2], [10, STOP, 7, 8, 12, STOP], [1, 1, 0, 0, 1, 1])], calls=2))  # fmt: skip
-    ro = _run(MultiTurn(_cfg(), Gen(), env, None, gws))
+    source = episodes(_cfg(), Gen(), env, None, gws)
+    assert isinstance(source, AgentEpisodes)  # the env runs an agent of its own
+    ro = _run(source)
     ((_, samples, results),) = ro.groups
     assert [r.reward for r in results] == [0.25, 0.25] and all(
         r.status == rw.SCORE_STATUS_OK for r in results
@@ -129,7 +133,7 @@ def test_a_harness_reward_wins_and_a_broken_history_trains_per_segment():
         return gw.CloseSessionResponse(segments=segs, calls=2, history_breaks=1, reward_set=True, reward=1.0,
                                        components={"tests_passed": 1.0})  # fmt: skip
 
-    ro = _run(MultiTurn(_cfg(), Gen(), BlackBoxEnv(), None, Gateways(answer)))
+    ro = _run(episodes(_cfg(), Gen(), BlackBoxEnv(), None, Gateways(answer)))
     ((_, samples, results),) = ro.groups
     assert [r.reward for r in results] == [1.0, 1.0] and dict(results[0].components) == {"tests_passed": 1.0}
     train = ro.train_samples(samples[0], advantage=0.5)
@@ -140,7 +144,7 @@ def test_a_harness_reward_wins_and_a_broken_history_trains_per_segment():
 
 def test_an_agent_that_never_called_the_model_is_masked_not_scored_zero():
     env = BlackBoxEnv()
-    ro = _run(MultiTurn(_cfg(), Gen(), env, None, Gateways(lambda key: gw.CloseSessionResponse())))
+    ro = _run(episodes(_cfg(), Gen(), env, None, Gateways(lambda key: gw.CloseSessionResponse())))
     ((_, _, results),) = ro.groups
     assert all(r.status == rw.SCORE_STATUS_ERROR and "agent_silent" in r.error for r in results)
     assert ro.stats["env_masked"] == 2
@@ -151,7 +155,7 @@ def test_a_silent_agent_whose_env_said_redo_is_run_again():
     # The env knows why the agent was silent (its sandbox failed): infrastructure, so a redo.
     redo = ev.CloseResponse(outcome=ev.OUTCOME_REDO, failure_kind="sandbox_unavailable")
     env = BlackBoxEnv(close=redo)
-    ro = _run(MultiTurn(_cfg(n=1), Gen(), env, None, Gateways(lambda key: gw.CloseSessionResponse())))
+    ro = _run(episodes(_cfg(n=1), Gen(), env, None, Gateways(lambda key: gw.CloseSessionResponse())))
     assert ro.stats["env_redo"] == 3 and len(env.resets) == 3  # max_attempts 3, then masked
     assert "episode_lost" in ro.groups[0][2][0].error
 
@@ -161,18 +165,18 @@ def test_the_agents_own_reward_is_allowed_only_where_the_experiment_says(allowed
     cfg = _cfg(n=1)
     cfg.episodes.agent_reward = allowed
     gws = Gateways(lambda key: gw.CloseSessionResponse(segments=[segment([1], [10, STOP], [1, 1])], calls=1))
-    _run(MultiTurn(cfg, Gen(), BlackBoxEnv(), None, gws))
+    _run(episodes(cfg, Gen(), BlackBoxEnv(), None, gws))
     assert [r.agent_reward for r in gws.opened] == [allowed]
 
 
 def test_a_lost_episode_closes_its_gateway_session_and_is_redone_with_a_new_one():
     env = BlackBoxEnv(lose_steps=1)
     gws = Gateways(lambda key: gw.CloseSessionResponse(segments=[segment([1], [10, STOP], [1, 1])], calls=1))
-    ro = _run(MultiTurn(_cfg(n=1), Gen(), env, None, gws))
+    ro = _run(episodes(_cfg(n=1), Gen(), env, None, gws))
     assert ro.groups[0][2][0].status == rw.SCORE_STATUS_OK and ro.stats["env_redo"] == 1
     assert len(gws.opened) == 2 and sorted(gws.closed) == ["key-1", "key-2"]  # the lost one closed too
 
 
 def test_a_black_box_env_without_a_gateway_refuses_to_start():
     with pytest.raises(ChatTemplateUnfit, match="gateway"):
-        asyncio.run(MultiTurn(_cfg(), Gen(), BlackBoxEnv()).prepare())
+        asyncio.run(episodes(_cfg(), Gen(), BlackBoxEnv()).prepare())

@@ -11,10 +11,11 @@ import pytest
 from relayrl.common.config import ConfigError
 from relayrl.coordinator import algorithms
 from relayrl.coordinator.algorithms import Algorithm, TrainBatch
-from relayrl.coordinator.batch import fresh_groups, train_sample
+from relayrl.coordinator.algorithms.rewards import fresh_groups
 from relayrl.coordinator.derive import load_experiment
 from relayrl.coordinator.loop import Experiment
-from relayrl.coordinator.rollouts import SingleTurn
+from relayrl.coordinator.rollout.base import train_sample
+from relayrl.coordinator.rollout.single_turn import SingleTurn
 from relayrl.learner.v1 import learner_pb2 as lp
 
 from tests.kit.loop import Generators, Learner, Rewards

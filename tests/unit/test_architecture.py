@@ -7,6 +7,11 @@ relayrl's own modules.
   one section per service).
 * Entrypoints (``relayrl.cli``, ``relayrl.serve_cli``, every ``__main__``) are the top floor.
 * No import circles, not even through imports inside functions.
+* Inside the coordinator, rooms by job (``clients/``: talk to services, ``rollout/``: make
+  rollouts, ``launch/``: place services, ``service/``: the standing gRPC service, ``records/``:
+  what a run leaves behind, ``algorithms/``), each importing only the rooms below it, with the
+  experiment, its config and its loop at the top; its floors (the longest import chain among its
+  modules) stay few.
 """
 
 from __future__ import annotations
@@ -134,3 +139,96 @@ def test_no_import_circles():
         if m not in state:
             visit(m, [m])
     assert not cycles, "\n".join(cycles)
+
+
+# -- the coordinator's rooms -----------------------------------------------------------------------
+COORDINATOR = "relayrl.coordinator"
+MAX_COORDINATOR_TOP_LEVEL = 12
+"""Modules at the coordinator's top level (the experiment, its config, its loop, its commands);
+the rest live in rooms by job."""
+MAX_COORDINATOR_FLOORS = 12
+"""The longest import chain among the coordinator's modules (``coordinator_floors``): 14 while it
+was one flat hall of 31 modules (issue 41), 12 in rooms."""
+ROOMS = {
+    "clients": {"config", "errors"},
+    "records": {"config"},
+    "launch": {"config"},
+    "rollout": {"config", "errors", "clients"},
+    "algorithms": {"config", "errors", "clients", "rollout.base"},
+    "service": {"config", "errors", "assets", "derive", "drive", "metrics", "launch", "records"},
+    "loop": {"config", "errors", "clients", "rollout.base", "algorithms.base", "algorithms.rewards"},
+}
+"""What of the coordinator a room (or a top-level module) may import besides itself: clients and
+records import no other room; launchers place services and know nothing of the run; rollout
+sources talk through the clients and import no launcher, no record and no algorithm; the
+algorithm families see only the rollout's contract; the loop knows the seams (``rollout.base``,
+``algorithms.base``), never a rollout source or an algorithm family."""
+
+
+def coordinator_graph() -> dict[str, set[str]]:
+    """The coordinator's modules, each with the coordinator modules it imports."""
+    return {
+        m: {d for d in deps if d.startswith(COORDINATOR)}
+        for m, deps in graph().items()
+        if m == COORDINATOR or m.startswith(COORDINATOR + ".")
+    }
+
+
+def coordinator_floors(g: dict[str, set[str]] | None = None) -> int:
+    """The coordinator's floors, as the review counted them: the longest import chain among its
+    modules (a module importing none of them is on floor 0, any other one floor above the highest
+    it imports).
+
+    >>> coordinator_floors({"a": set(), "b": {"a"}, "c": {"a", "b"}})
+    2
+    """
+    g = coordinator_graph() if g is None else g
+    level: dict[str, int] = {}
+
+    def floor_of(m: str) -> int:
+        if m not in level:
+            level[m] = 1 + max((floor_of(d) for d in g[m] if d in g), default=-1)
+        return level[m]
+
+    return max(map(floor_of, g), default=0)
+
+
+def _relative(module: str) -> str:
+    return module.removeprefix(COORDINATOR).lstrip(".")
+
+
+def _within(module: str, allowed: set[str]) -> bool:
+    rel = _relative(module)
+    return any(rel == a or rel.startswith(a + ".") for a in allowed)
+
+
+def test_the_coordinator_top_level_holds_few_modules():
+    top = sorted(
+        p.name for p in (ROOT / "coordinator").glob("*.py") if p.name not in ("__init__.py", "__main__.py")
+    )
+    assert len(top) <= MAX_COORDINATOR_TOP_LEVEL, top
+
+
+def test_the_coordinator_has_few_floors():
+    assert coordinator_floors() <= MAX_COORDINATOR_FLOORS
+
+
+@pytest.mark.parametrize("room", sorted(ROOMS))
+def test_a_coordinator_room_imports_only_the_rooms_below_it(room):
+    bad = [
+        f"{m} imports {d}"
+        for m, deps in coordinator_graph().items()
+        if _within(m, {room})
+        for d in deps
+        if not _within(d, {room, "v1", *ROOMS[room]}) and d != COORDINATOR  # v1: its own contract
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_only_the_rollout_seam_asks_which_kind_of_episode_an_env_runs():
+    """``rollout.make`` picks the source by ``EnvInfo.black_box``; no source, lifecycle, loop or
+    wiring tests it again."""
+    readers = sorted(
+        str(p.relative_to(ROOT)) for p in (ROOT / "coordinator").rglob("*.py") if "black_box" in p.read_text()
+    )
+    assert readers == ["coordinator/rollout/__init__.py"], readers

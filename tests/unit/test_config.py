@@ -240,7 +240,7 @@ def test_every_example_loads(path):
 
 @pytest.mark.parametrize(("threads", "want"), [(None, {}), (2, {"OMP_NUM_THREADS": "2"})])
 def test_services_threads_reach_every_local_process(tmp_path, monkeypatch, threads, want):
-    from relayrl.coordinator import local_services
+    from relayrl.coordinator.launch import local as local_services
 
     started = []
 

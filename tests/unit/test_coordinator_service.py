@@ -22,8 +22,8 @@ from relayrl.common.data.dataset import write_rows
 from relayrl.common.data.tasks import generate
 from relayrl.common.grpc_server import start
 from relayrl.coordinator.config import CoordinatorServeConfig
-from relayrl.coordinator.registry import Registry
-from relayrl.coordinator.server import build
+from relayrl.coordinator.service.registry import Registry
+from relayrl.coordinator.service.server import build
 from relayrl.coordinator.v1 import coordinator_pb2 as cp
 from relayrl.coordinator.v1 import coordinator_pb2_grpc as cpg
 
@@ -332,7 +332,7 @@ async def test_concurrent_starts_of_one_run_id_get_one_experiment(tmp_path, monk
     # Every start passes the "known run_id?" check before any is registered: each waits in the
     # config check until all have arrived there. They must all get the one experiment, counted
     # once against max_running.
-    from relayrl.coordinator import servicer
+    from relayrl.coordinator.service import servicer
 
     starts = 5  # within the default thread pool of a 2-core machine (6 workers)
     barrier = threading.Barrier(starts, timeout=20)
@@ -452,9 +452,9 @@ async def test_a_resume_folder_must_hold_a_checkpoint_record(tmp_path, record, n
 
 async def test_a_run_stopped_before_its_task_ran_never_starts_its_services(tmp_path):
     from relayrl.common import config as cfg_mod
-    from relayrl.coordinator import registry as reg
     from relayrl.coordinator.config import ExperimentConfig
     from relayrl.coordinator.derive import resolve_paths
+    from relayrl.coordinator.service import registry as reg
 
     class Services:  # a ServiceSet that only counts its starts
         started = 0

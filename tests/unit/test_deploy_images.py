@@ -651,7 +651,9 @@ def test_grafana_dashboard_uses_real_metric_names():
     for word in ("reward", "tokens/s", "sync", "staleness", "errors", "env"):
         assert word in titles, f"no panel about {word}"
     known = _metric_samples()
-    loop = "".join((ROOT / "services" / "coordinator" / f).read_text() for f in ("loop.py", "batch.py"))
+    loop = "".join(
+        (ROOT / "services" / "coordinator" / f).read_text() for f in ("loop.py", "algorithms/rewards.py")
+    )
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     for p in dash["panels"]:
         assert p["datasource"]["uid"] == uid and all(t["datasource"]["uid"] == uid for t in p["targets"])
@@ -711,9 +713,8 @@ def test_compose_file_is_valid_compose(profile):
 
 # -- the README's compose section and scripts/compose_check.sh ----------------------------------------
 def readme_compose_commands() -> list[str]:
-    """The commands of the first bash block under "### One box: docker compose", comments cut."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### One box: docker compose") :]
+    """The commands of the first bash block of the manual's compose page, comments cut."""
+    section = (ROOT / "docs" / "compose.md").read_text()
     block = section[section.index("```bash\n") + 8 :]
     block = block[: block.index("```")]
     return [
@@ -724,7 +725,7 @@ def readme_compose_commands() -> list[str]:
 
 
 def test_the_compose_check_runs_the_readmes_commands():
-    """`scripts/compose_check.sh` is the README's compose section, run: the same images under the
+    """`scripts/compose_check.sh` is the manual's compose page (docs/compose.md), run: the same images under the
     same tags, the same secrets, `up`, the experiment's `run` and `down` (the script adds only
     `-T`, having no terminal, and waits for health by inspecting the containers)."""
     script = (ROOT / "scripts" / "compose_check.sh").read_text()

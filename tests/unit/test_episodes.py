@@ -1,4 +1,5 @@
-"""Multi-turn episodes in the coordinator (``coordinator.episodes``), against stand-in generator and
+"""Tool episodes in the coordinator (``coordinator/rollout/tool_episodes.py`` over the episode
+lifecycle of ``rollout/episodes.py``, as ``rollout.make`` builds them), against stand-in generator and
 env clients: what is tested is how the coordinator runs turns, checks them and turns them into
 learner samples, not the services (their own tests do that)."""
 
@@ -12,7 +13,8 @@ import grpc
 import pytest
 from relayrl.common.trajectories import PrefixViolation
 from relayrl.common.v1 import common_pb2
-from relayrl.coordinator.batch import fresh_groups, reward_stats, train_sample
+from relayrl.coordinator.algorithms.rewards import fresh_groups, reward_stats
+from relayrl.coordinator.clients.envs import EpisodeLost
 from relayrl.coordinator.config import (
     AlgorithmSection,
     EpisodesSection,
@@ -20,8 +22,10 @@ from relayrl.coordinator.config import (
     ScheduleSection,
     ServicesSection,
 )
-from relayrl.coordinator.envs import EpisodeLost
-from relayrl.coordinator.episodes import ChatTemplateUnfit, MultiTurn, ToolsNeverCalled
+from relayrl.coordinator.rollout import make
+from relayrl.coordinator.rollout.base import train_sample
+from relayrl.coordinator.rollout.episodes import ChatTemplateUnfit, ToolsNeverCalled
+from relayrl.coordinator.rollout.tool_episodes import ToolEpisodes
 from relayrl.env.v1 import env_pb2 as ev
 from relayrl.generator.v1 import generator_pb2 as g
 from relayrl.reward.v1 import reward_pb2 as rw
@@ -134,13 +138,28 @@ def _cfg(n=2, **episodes):
     )
 
 
+def episodes(cfg, gen, env, trace=None, gateways=None):
+    """The episode source ``rollout.make`` builds for ``env`` (it asks the env what it runs)."""
+    return asyncio.run(make(cfg, gen, None, env, gateways, trace))
+
+
 def _run(source, batch=(("p0", {"prompt": []}),), evaluation=False):
     return asyncio.run(source.rollout(list(batch), evaluation, "step1", 3))
 
 
+def test_without_an_episodes_section_the_source_is_single_turn():
+    from relayrl.coordinator.rollout.single_turn import SingleTurn
+
+    cfg = _cfg()
+    cfg.episodes = None
+    assert isinstance(asyncio.run(make(cfg, Gen(), rewards=object())), SingleTurn)
+
+
 def test_an_episode_is_one_sample_whose_environment_tokens_are_masked():
     gen, env = Gen(), Env()
-    ro = _run(MultiTurn(_cfg(), gen, env))
+    source = episodes(_cfg(), gen, env)
+    assert isinstance(source, ToolEpisodes)  # the env runs no agent of its own
+    ro = _run(source)
     ((row, samples, results),) = ro.groups
     assert [r.reward for r in results] == [1.0, 1.0] and all(r.status == rw.SCORE_STATUS_OK for r in results)
     s = samples[0]
@@ -168,12 +187,12 @@ def test_an_episode_is_one_sample_whose_environment_tokens_are_masked():
 
 def test_a_turn_that_does_not_extend_the_exact_tokens_stops_the_run():
     with pytest.raises(PrefixViolation, match="p0/./ turn 1|turn 1"):
-        _run(MultiTurn(_cfg(), Gen(drift=True), Env()))
+        _run(episodes(_cfg(), Gen(drift=True), Env()))
 
 
 def test_a_lost_episode_is_redone_with_the_same_seed():
     env = Env(lose=1)
-    ro = _run(MultiTurn(_cfg(n=1), Gen(), env))
+    ro = _run(episodes(_cfg(n=1), Gen(), env))
     assert [r.reward for r in ro.groups[0][2]] == [1.0]
     assert ro.stats["env_redo"] == 1 and ro.stats["env_masked"] == 0
     (e0, a0, s0), (e1, a1, s1) = env.resets
@@ -184,7 +203,7 @@ def test_a_lost_episode_is_redone_with_the_same_seed():
 def test_an_episode_lost_on_every_attempt_is_masked_never_a_zero_reward():
     cfg = _cfg(n=2, max_attempts=2)
     cfg.services = ServicesSection(max_reward_error_fraction=1.0)
-    ro = _run(MultiTurn(cfg, Gen(), Env(lose=5)))
+    ro = _run(episodes(cfg, Gen(), Env(lose=5)))
     results = ro.groups[0][2]
     assert all(r.status == rw.SCORE_STATUS_ERROR for r in results)
     assert ro.stats["env_masked"] == 2
@@ -196,7 +215,7 @@ def test_an_episode_lost_on_every_attempt_is_masked_never_a_zero_reward():
 def test_an_episode_the_env_masks_stays_out_of_training_and_of_the_baseline():
     cfg = _cfg(n=2)
     cfg.services = ServicesSection(max_reward_error_fraction=1.0)
-    ro = _run(MultiTurn(cfg, Gen(), Env(outcome=ev.OUTCOME_MASK)))
+    ro = _run(episodes(cfg, Gen(), Env(outcome=ev.OUTCOME_MASK)))
     assert ro.stats["env_masked"] == 2 and ro.stats["tool_calls_per_episode"] == 1
     assert all("verifier_failed" in r.error for r in ro.groups[0][2])
     groups, _ = fresh_groups(cfg, 3, ro)
@@ -204,16 +223,16 @@ def test_an_episode_the_env_masks_stays_out_of_training_and_of_the_baseline():
 
 
 def test_an_env_that_expects_tools_and_sees_none_trips_the_alarm_on_the_third_step():
-    source = MultiTurn(_cfg(zero_tool_alarm="fail"), Gen(calls_tool=False), Env())
+    source = episodes(_cfg(zero_tool_alarm="fail"), Gen(calls_tool=False), Env())
     for _ in range(2):
         ro = _run(source)
         assert ro.stats["alarm_zero_tool_calls"] == 0 and ro.stats["episodes_without_tool_call"] == 2
     _run(source, evaluation=True)  # evaluations do not count
     with pytest.raises(ToolsNeverCalled, match="none in 3 training steps"):
         _run(source)
-    warn = MultiTurn(_cfg(), Gen(calls_tool=False), Env())
+    warn = episodes(_cfg(), Gen(calls_tool=False), Env())
     assert [_run(warn).stats["alarm_zero_tool_calls"] for _ in range(4)] == [0, 0, 1, 1]
-    quiet = MultiTurn(_cfg(zero_tool_alarm="fail"), Gen(calls_tool=False), Env(expects_tools=False))
+    quiet = episodes(_cfg(zero_tool_alarm="fail"), Gen(calls_tool=False), Env(expects_tools=False))
     assert all("alarm_zero_tool_calls" not in _run(quiet).stats for _ in range(4))
 
 
@@ -240,12 +259,12 @@ def test_an_env_that_expects_tools_and_sees_none_trips_the_alarm_on_the_third_st
 )
 def test_a_chat_template_that_cannot_run_the_episodes_is_refused_before_the_first_step(check, match):
     with pytest.raises(ChatTemplateUnfit, match=match):
-        asyncio.run(MultiTurn(_cfg(), Gen(check=check), Env()).prepare())
+        asyncio.run(episodes(_cfg(), Gen(check=check), Env()).prepare())
 
 
 def test_template_drift_may_be_allowed_explicitly():
     check = g.CheckChatResponse(round_trip_ok=True, prefix_preserving=False, stop_token_ids=[STOP])
-    source = MultiTurn(_cfg(allow_template_drift=True), Gen(check=check), Env())
+    source = episodes(_cfg(allow_template_drift=True), Gen(check=check), Env())
     asyncio.run(source.prepare())
     assert source.stop_ids == [STOP]
 
@@ -256,7 +275,7 @@ def test_stepwise_renders_every_call_whole_and_trains_each_with_its_episodes_adv
     cfg = _cfg(n=2, turns="stepwise")
     gen = Gen()
     env = Env(reward=lambda session: 1.0 if "/p0/0#" in session else 0.0)
-    ro = _run(MultiTurn(cfg, gen, env))
+    ro = _run(episodes(cfg, gen, env))
     # the second call's prompt is the whole dialogue: user, the model's call, the tool's answer
     second = gen.histories[-1]
     assert [m.role for m in second] == ["user", "assistant", "tool"]
@@ -295,13 +314,13 @@ def test_episodes_under_way_are_bounded():
             return out
 
     env = Counting()
-    ro = _run(MultiTurn(_cfg(n=4, concurrency=3), Gen(), env), batch=[(f"p{k}", {}) for k in range(3)])
+    ro = _run(episodes(_cfg(n=4, concurrency=3), Gen(), env), batch=[(f"p{k}", {}) for k in range(3)])
     assert len(ro.groups) == 3 and env.most == 3 and not env.open
 
 
 def test_the_first_training_rollout_leaves_a_trace_of_two_episodes(tmp_path):
     path = tmp_path / "episodes" / "first.jsonl"
-    source = MultiTurn(_cfg(n=2), Gen(), Env(), trace=path)
+    source = episodes(_cfg(n=2), Gen(), Env(), trace=path)
     _run(source, evaluation=True)
     assert not path.exists()  # evaluations are not traced
     _run(source)
@@ -321,12 +340,12 @@ def test_a_turn_that_cannot_be_extended_ends_the_episode_not_the_run():
     (the generator answers OUT_OF_RANGE with ``fit_to_context``), ends its episode there: it is
     scored as the env scores an unfinished episode and counted as truncated."""
     for gen in (Gen(end=98), Gen(full=True)):
-        ro = _run(MultiTurn(_cfg(n=2), gen, Env()))
+        ro = _run(episodes(_cfg(n=2), gen, Env()))
         assert ro.stats["episodes_truncated"] == 2 and ro.stats["turns_per_episode"] == 1
         assert [len(s.completion_token_ids) for s in ro.groups[0][1]] == [3, 3]
         assert all(sp.fit_to_context for _, sp, _ in gen.requests)
 
 
 def test_an_aborted_turn_redoes_the_episode():
-    ro = _run(MultiTurn(_cfg(n=1, max_attempts=2), Gen(abort=True), Env()))
+    ro = _run(episodes(_cfg(n=1, max_attempts=2), Gen(abort=True), Env()))
     assert ro.stats["env_masked"] == 1 and ro.stats["env_redo"] == 2  # never scored

@@ -1,8 +1,8 @@
-"""The coordinator's pools (``coordinator/clients.py``) against real GeneratorService and
-RewardService servers on fake engines: a batch larger than one call may carry goes as several
-calls, none over the bound, and every sample of every prompt comes back once; an answer that
-breaks the contract is never used; work that fails every time ends the run, named, instead of
-being sent again forever."""
+"""The coordinator's pools (``coordinator/clients/generators.py``, ``rewards.py``) against real
+GeneratorService and RewardService servers on fake engines: a batch larger than one call may carry
+goes as several calls, none over the bound, and every sample of every prompt comes back once; an
+answer that breaks the contract is never used; work that fails every time ends the run, named,
+instead of being sent again forever."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import grpc
 import pytest
 from relayrl.common.rpc import Unavailable
 from relayrl.common.v1 import common_pb2
-from relayrl.coordinator.clients import GeneratorPool, RewardPool
+from relayrl.coordinator.clients.generators import GeneratorPool
+from relayrl.coordinator.clients.rewards import RewardPool
 from relayrl.coordinator.errors import AttemptsExhausted
 from relayrl.generator.v1 import generator_pb2 as g
 from relayrl.reward.v1 import reward_pb2 as rw

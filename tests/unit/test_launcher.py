@@ -1,4 +1,4 @@
-"""Local service processes (``coordinator/launcher.py``): a run's services are stopped together,
+"""Local service processes (``coordinator/launch/processes.py``): a run's services are stopped together,
 so its teardown takes one drain, not the sum of them."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import sys
 import textwrap
 import time
 
-from relayrl.coordinator.launcher import ServiceProcess, stop_all
+from relayrl.coordinator.launch.processes import ServiceProcess, stop_all
 
 # Drains on SIGTERM until every one of the three has been signalled (a file each), then exits 0.
 # Stopped one by one, the first would wait for signals that only come after it ended: its grace
@@ -64,7 +64,7 @@ def test_services_end_when_the_process_that_started_them_is_killed(tmp_path):
         f"""
         import sys, time
         from pathlib import Path
-        from relayrl.coordinator.launcher import ServiceProcess
+        from relayrl.coordinator.launch.processes import ServiceProcess
         service = "from relayrl.common.lifeline import exit_with_parent; exit_with_parent(); import time; time.sleep(600)"
         p = ServiceProcess("svc", [], Path({str(tmp_path)!r}), entry=[sys.executable, "-c", service])
         print(p.proc.pid, flush=True)

@@ -8,7 +8,7 @@ import contextlib
 
 from relayrl.common.grpc_server import create_server, start
 from relayrl.common.rpc import Unavailable, map_errors
-from relayrl.coordinator.clients import LearnerClient
+from relayrl.coordinator.clients.learner import LearnerClient
 from relayrl.learner.v1 import learner_pb2, learner_pb2_grpc
 
 

@@ -32,10 +32,12 @@ def start_ranks(heartbeat: float) -> list[subprocess.Popen]:
         for rank in (0, 1)
     ]
     for p in procs:
+        seen = []
         line = p.stdout.readline()
         while line and line.strip() != "ready":
+            seen.append(line)
             line = p.stdout.readline()
-        assert line, f"a rank exited before it was ready: {p.wait()}"
+        assert line, f"a rank exited before it was ready: {p.wait()}\n{''.join(seen)[-3000:]}"
     return procs
 
 

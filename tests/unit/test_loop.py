@@ -12,9 +12,10 @@ import asyncio
 import json
 
 import pytest
+from relayrl.coordinator import algorithms
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.loop import Experiment
-from relayrl.coordinator.rollouts import SingleTurn
+from relayrl.coordinator.rollout.single_turn import SingleTurn
 
 from tests.kit.loop import Generators, Learner, Rewards
 from tests.kit.net import free_port
@@ -46,7 +47,8 @@ def _experiment(tmp_path, steps=4, checkpoint_every=2, **schedule) -> Experiment
         for i in range(8)
     ]
     gens = Generators()
-    return Experiment(cfg, run_dir, rows, [], gens, SingleTurn(cfg, gens, Rewards()), Learner())
+    rollouts, algorithm = SingleTurn(cfg, gens, Rewards()), algorithms.make(cfg, {}, run_dir.name)
+    return Experiment(cfg, run_dir, rows, [], gens, rollouts, Learner(), algorithm)
 
 
 def _coordinator_json(exp: Experiment) -> dict:
@@ -60,7 +62,7 @@ async def test_the_last_checkpoint_is_not_written_again_under_the_same_tag(tmp_p
     await exp.run()
     assert exp.learner.saved == ["step2", "step4"] and _coordinator_json(exp)["tag"] == "step4"
     # the ledger: each step's prompts, in the data's (seeded) order, none twice
-    from relayrl.coordinator.runfolder import load_records
+    from relayrl.coordinator.records.runfolder import load_records
 
     ledger = load_records(exp.run_dir, "ledger.jsonl")
     order = exp._order(0)
@@ -161,7 +163,7 @@ async def test_a_failing_step_leaves_no_generation_running(tmp_path):
 def test_a_last_metrics_line_torn_by_a_kill_is_dropped_on_resume(tmp_path):
     """A kill while a record was appended leaves half a line; the resume must neither fail on
     it nor glue the next record onto it."""
-    from relayrl.coordinator.runfolder import load_records, rewind_records
+    from relayrl.coordinator.records.runfolder import load_records, rewind_records
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "rew')
     assert [r["step"] for r in rewind_records(tmp_path, 2)] == [1, 2]
@@ -176,7 +178,7 @@ def test_a_last_metrics_line_torn_by_a_kill_is_dropped_on_resume(tmp_path):
 async def test_a_failed_call_names_the_service_and_the_call():
     """A run that ends on a bare DEADLINE_EXCEEDED names nobody: which service to look at?"""
     import grpc
-    from relayrl.coordinator.clients import LearnerClient
+    from relayrl.coordinator.clients.learner import LearnerClient
     from relayrl.coordinator.errors import describe
 
     address = f"127.0.0.1:{free_port()}"  # a port where nothing listens

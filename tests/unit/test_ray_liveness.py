@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 from relayrl.coordinator.config import ExperimentConfig
-from relayrl.coordinator.ray import launch as ray_launch
-from relayrl.coordinator.ray.launch import TIMED_OUT, RankLiveness, RayServices, poll_outcome
+from relayrl.coordinator.launch.ray import services as ray_launch
+from relayrl.coordinator.launch.ray.services import TIMED_OUT, RankLiveness, RayServices, poll_outcome
 
 
 def _cfg(**ray) -> ExperimentConfig:

@@ -10,7 +10,7 @@ import pytest
 from relayrl.common.config import ConfigError
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.derive import load_experiment
-from relayrl.coordinator.ray.plan import Slot, assign_ranks, needs, plan
+from relayrl.coordinator.launch.ray.plan import Slot, assign_ranks, needs, plan
 
 
 def _cfg(**sections) -> ExperimentConfig:
@@ -117,7 +117,7 @@ def test_address_flag_becomes_ray_address(tmp_path):
 
 
 def test_launch_refuses_service_addresses():
-    from relayrl.coordinator.ray.launch import launch
+    from relayrl.coordinator.run import launch_ray as launch
 
     cfg = _cfg(services={"generators": ["g:1"], "rewards": ["r:1"], "learner": "l:1"})
     with pytest.raises(SystemExit, match="starts the services itself"):
@@ -140,7 +140,7 @@ def test_cli_parser_does_not_import_ray():
 
 def test_learner_checkpoints_go_beside_the_run_folder_on_resume_too(tmp_path):
     from relayrl.common.config import dump_yaml
-    from relayrl.coordinator.local_services import learner_section
+    from relayrl.coordinator.launch.replicas import learner_section
 
     run_dir = tmp_path / "runs" / "exp-1"
     cfg = _cfg()
@@ -178,7 +178,7 @@ def test_env_and_gateway_replicas_get_bundles_in_the_rollout_group():
 
 def _gateways_started(cfg: ExperimentConfig, ip: str, tmp_path) -> tuple[object, dict]:
     """``RayServices._start_gateways`` with the Ray calls stood in: what each gateway is given."""
-    from relayrl.coordinator.ray.launch import RayServices
+    from relayrl.coordinator.launch.ray.services import RayServices
 
     class Host:  # an actor handle: free_port.remote() gives a reference for _get
         free_port = SimpleNamespace(remote=lambda: None)

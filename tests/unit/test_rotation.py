@@ -1,6 +1,6 @@
-"""Replicas out of rotation come back when they serve again (``coordinator/rotation.py``): probed
-over the gRPC health protocol, re-admitted (for generators: registered and given the learner's
-weights) before any work, and waited for, within a bound, when none is left."""
+"""Replicas out of rotation come back when they serve again (``coordinator/clients/rotation.py``):
+probed over the gRPC health protocol, re-admitted (for generators: registered and given the
+learner's weights) before any work, and waited for, within a bound, when none is left."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from relayrl.coordinator.rotation import NoReplicaLeft, Rotation
+from relayrl.coordinator.clients.rotation import NoReplicaLeft, Rotation
 
 SERVICE = "relayrl.generator.v1.GeneratorService"
 
@@ -275,7 +275,7 @@ async def test_a_generator_waiting_for_weights_is_readmitted_though_not_serving(
     """The survivor of a broken broadcast answers NOT_SERVING until a complete push: were it
     readmitted only once SERVING, it would stay out of rotation for good (seen in CI: a run of
     two generators ended on one). Its readmission is what pushes it the weights."""
-    from relayrl.coordinator.clients import GeneratorPool
+    from relayrl.coordinator.clients.generators import GeneratorPool
 
     srv = await _generator(_status_servicer(**status))
     admitted = []

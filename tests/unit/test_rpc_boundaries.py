@@ -21,7 +21,7 @@ SERVICES = {
     "generator": ("relayrl.generator.v1.generator_pb2", "GeneratorService", "relayrl.generator.servicer", "GeneratorServicer"),
     "learner": ("relayrl.learner.v1.learner_pb2", "LearnerService", "relayrl.learner.servicer", "LearnerServicer"),
     "reward": ("relayrl.reward.v1.reward_pb2", "RewardService", "relayrl.reward.servicer", "RewardServicer"),
-    "coordinator": ("relayrl.coordinator.v1.coordinator_pb2", "CoordinatorService", "relayrl.coordinator.servicer", "CoordinatorServicer"),
+    "coordinator": ("relayrl.coordinator.v1.coordinator_pb2", "CoordinatorService", "relayrl.coordinator.service.servicer", "CoordinatorServicer"),
     "env": ("relayrl.env.v1.env_pb2", "EnvService", "relayrl.env.servicer", "EnvServicer"),
 }  # fmt: skip
 

@@ -14,9 +14,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from relayrl.coordinator.config import ExperimentConfig
-from relayrl.coordinator.slurm import job_secrets
-from relayrl.coordinator.slurm.launch import SlurmServices, launch, marker, requeued_run, visible_gpus
-from relayrl.coordinator.slurm.plan import Allocation, gpus, plan
+from relayrl.coordinator.launch.slurm import job_secrets
+from relayrl.coordinator.launch.slurm.plan import Allocation, gpus, plan
+from relayrl.coordinator.launch.slurm.services import SlurmServices, marker, requeued_run, visible_gpus
+from relayrl.coordinator.run import launch_slurm as launch
 
 from tests.procs import service
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from relayrl.coordinator.config import TrackingSection, WandbSection
-from relayrl.coordinator.trackers import Trackers, missing_packages
+from relayrl.coordinator.records.trackers import Trackers, missing_packages
 
 from tests.kit.waits import until_blocking
 

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from relayrl.common.v1 import common_pb2
 from relayrl.coordinator import algorithms
-from relayrl.coordinator.batch import Rollout, reward_stats
+from relayrl.coordinator.algorithms.rewards import reward_stats
 from relayrl.coordinator.config import AlgorithmSection, ScheduleSection, ServicesSection
 from relayrl.coordinator.errors import ScoringFailed
+from relayrl.coordinator.rollout.base import Rollout
 from relayrl.reward.v1 import reward_pb2 as rw
 
 

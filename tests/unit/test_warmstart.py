@@ -25,7 +25,7 @@ from relayrl.coordinator.config import (
     ServicesSection,
     TinyModelSpec,
 )
-from relayrl.coordinator.episodes import MultiTurn
+from relayrl.coordinator.rollout import make
 from relayrl.env.base import Action, ToolCall
 from relayrl.env.calc import CalcEnv
 from relayrl.env.v1 import env_pb2 as ev
@@ -219,7 +219,7 @@ class _Envs:
 
 @pytest.mark.parametrize("task, tool", [("calc", True), ("calc", False), ("pyexec", True)])
 def test_sft_ids_are_the_ids_of_the_rl_episode_of_the_same_actions(codec, sandbox, task, tool):
-    """Parity: the coordinator's episode (MultiTurn) through the generator's codec and the env,
+    """Parity: the coordinator's episode (``rollout.make``'s tool episodes) through the generator's codec and the env,
     whose model turns are the trace's, gives the trace's ids and loss mask, and reward 1."""
     row = ROWS[3]
     trace = tool_trace(codec, row, 0, tool, task, sandbox)
@@ -239,7 +239,8 @@ def test_sft_ids_are_the_ids_of_the_rl_episode_of_the_same_actions(codec, sandbo
         services=ServicesSection(),
     )
     envs = _Envs(task, sandbox)
-    ro = asyncio.run(MultiTurn(cfg, _Generator(codec, turns), envs).rollout([("p0", row)], False, "s1", 0))
+    source = asyncio.run(make(cfg, _Generator(codec, turns), None, envs))
+    ro = asyncio.run(source.rollout([("p0", row)], False, "s1", 0))
     ((_, (s,), (result,)),) = ro.groups
     assert [*s.prompt_token_ids, *s.completion_token_ids] == trace.ids
     mask = ro.mask(s) or [1.0] * len(s.completion_token_ids)  # None: every token the model's

@@ -1,1 +1,2 @@
-"""Data kit: task generators (countdown, arithmetic, reverse) and the verl-schema loader."""
+"""Data kit: task generators (``tasks.TASKS``, the registry of task names) and the verl-schema
+loader."""

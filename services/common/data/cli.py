@@ -35,7 +35,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``data`` subcommand to an ``argparse`` subparsers object; return its parser."""
     p = subparsers.add_parser(
         "data",
-        help="write a task dataset (countdown, arithmetic, reverse, calc, guess) as parquet or jsonl",
+        help=f"write a task dataset ({', '.join(TASKS)}) as parquet or jsonl",
         description=__doc__.split("\n\n")[0],
     )
     p.add_argument("task", choices=sorted(TASKS), help="which task to generate")

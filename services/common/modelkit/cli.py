@@ -7,6 +7,8 @@ import argparse
 import logging
 import time
 
+from relayrl.common.data.tasks import SINGLE_TURN_TASKS
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -16,7 +18,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     t = sub.add_parser("tiny", help="write a deterministic tiny Qwen2 model + byte-level BPE tokenizer")
     t.add_argument("--out", required=True, help="folder to write (created)")
     t.add_argument("--seed", type=int, default=0, help="seed of weights, tokenizer corpus and SFT data")
-    t.add_argument("--task", choices=["countdown", "arithmetic", "reverse"], help="warm-start task")
+    t.add_argument("--task", choices=sorted(SINGLE_TURN_TASKS), help="warm-start task")
     t.add_argument("--sft-steps", type=int, default=0, help="supervised warm-start steps on --task")
     t.add_argument("--sft-lr", type=float, default=1e-3, help="warm-start learning rate")
     t.add_argument("--trace", action="store_true", help="reverse: teach the step-by-step <think> trace")

@@ -1,7 +1,8 @@
 """Algorithm families, one module each, and the registry that picks one by
 ``algorithm.advantage``. A new family is a module with an ``Algorithm`` subclass (``base.py``
 says what it may tell the loop) and one entry in ``FAMILIES``; the loop, the launchers and the
-config stay as they are."""
+config stay as they are. ``rewards.py`` holds what every family does with a rollout alike (the
+rewards that count, the groups fresh enough to train)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Mapping
 from relayrl.coordinator.algorithms.base import Algorithm, TrainBatch
 from relayrl.coordinator.algorithms.group import GroupFamily
 from relayrl.coordinator.algorithms.token import TokenFamily
-from relayrl.coordinator.clients import LearnerClient
+from relayrl.coordinator.clients.learner import LearnerClient
 from relayrl.coordinator.config import ExperimentConfig
 
 FAMILIES: list[type[Algorithm]] = [GroupFamily, TokenFamily]

@@ -7,7 +7,7 @@ fields that only it reads; it keeps what it must carry across steps (an adaptive
 in the coordinator's checkpoint. The loop (``loop.Experiment``) only sequences rollout -> batch
 -> train -> push -> record -> checkpoint and never branches on an algorithm or a role.
 
-Flows: in, a ``Rollout`` (``batch.py``: groups of samples with their reward results) and the
+Flows: in, a ``Rollout`` (``rollout/base.py``: groups of samples with their reward results) and the
 policy version; out, a ``TrainBatch`` (the actor's samples, the samples of every trained role
 beside it, batch statistics for the metrics).
 """
@@ -19,10 +19,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from relayrl.coordinator.batch import Rollout
-from relayrl.coordinator.clients import LearnerClient
+from relayrl.coordinator.clients.learner import LearnerClient
 from relayrl.coordinator.config import ExperimentConfig
+from relayrl.coordinator.rollout.base import Rollout
 from relayrl.learner.v1 import learner_pb2 as lp
+
+
+async def nothing() -> None:
+    """A call not made, where ``asyncio.gather`` takes one per role."""
+    return None
 
 
 @dataclass

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from relayrl.coordinator.algorithms.advantages import advantages
 from relayrl.coordinator.algorithms.base import Algorithm, TrainBatch
-from relayrl.coordinator.batch import Rollout, fresh_groups
+from relayrl.coordinator.algorithms.rewards import fresh_groups
 from relayrl.coordinator.config import ExperimentConfig
+from relayrl.coordinator.rollout.base import Rollout
 
 
 class GroupFamily(Algorithm):

@@ -12,16 +12,18 @@ import time
 from collections.abc import Mapping
 
 import numpy as np
-from relayrl.coordinator.algorithms.base import Algorithm, TrainBatch
+from relayrl.coordinator.algorithms.base import Algorithm, TrainBatch, nothing
+from relayrl.coordinator.algorithms.rewards import fresh_groups
 from relayrl.coordinator.algorithms.token_advantages import (
     adaptive_kl_coef,
     explained_variance,
     kl_penalty,
     token_advantages,
 )
-from relayrl.coordinator.batch import Rollout, fresh_groups, nothing, train_sample
-from relayrl.coordinator.clients import LearnerClient, version_of
+from relayrl.coordinator.clients.generators import version_of
+from relayrl.coordinator.clients.learner import LearnerClient
 from relayrl.coordinator.config import ExperimentConfig
+from relayrl.coordinator.rollout.base import Rollout, train_sample
 from relayrl.learner.v1 import learner_pb2 as lp
 
 

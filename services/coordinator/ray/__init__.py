@@ -1,5 +1,0 @@
-"""The Ray wing: ``relayrl launch ray`` places an experiment's services on a Ray cluster.
-``config.py`` (the experiment's ``ray`` section), ``plan.py`` (placement groups and rank
-assignment, pure), ``actor.py`` (the actor that hosts one service process on its node) and
-``launch.py`` (the ``ServiceSet`` that starts, watches and stops them). Importing this package
-imports no Ray: only ``launch`` and ``actor`` do, when called."""

@@ -1,1 +1,0 @@
-"""``relayrl launch slurm``: an experiment's services as job steps of the Slurm allocation it runs in."""

@@ -26,11 +26,12 @@ logger = logging.getLogger(__name__)
 
 
 def join_in_thread(
-    host: str, port: int, world_size: int, backend: str, timeout_s: float, rank: int = 0
+    host: str, port: int, world_size: int, backend: str, timeout_s: float, rank: int = 0, store=None
 ) -> asyncio.Future:
-    """This process's join of a new group as ``rank`` (0: the learner's own), as a future of
-    (ProcessGroup, store) that a daemon thread settles. Cancel the future to give the join up:
-    a group formed after that is shut down."""
+    """This process's join of a new group as ``rank`` (0: the learner's own, over ``store``
+    when it made it already: ``group.master_store``), as a future of (ProcessGroup, store) that
+    a daemon thread settles. Cancel the future to give the join up: a group formed after that is
+    shut down."""
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
 
@@ -47,7 +48,7 @@ def join_in_thread(
     def run() -> None:
         result, error = None, None
         try:
-            result = open_group_with_store(host, port, world_size, rank, backend, timeout_s)
+            result = open_group_with_store(host, port, world_size, rank, backend, timeout_s, store=store)
         except Exception as e:
             error = e
         try:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import socket
 from typing import Protocol
 
 import grpc
@@ -37,6 +36,7 @@ from relayrl.common.rpc import Unavailable
 from relayrl.common.weightsync import groupwait
 from relayrl.common.weightsync.buckets import Staging
 from relayrl.common.weightsync.cudaipc import share, shared_to_proto, window
+from relayrl.common.weightsync.group import master_store
 from relayrl.common.weightsync.plan import Bucket, aligned, layout
 from relayrl.common.weightsync.shm import ReadyTable, Segment
 from relayrl.common.weightsync.transports import GROUP_BACKEND
@@ -74,12 +74,6 @@ def why(e: BaseException) -> str:
     if isinstance(e, grpc.aio.AioRpcError):
         return f"{e.code().name} {e.details()}"
     return f"{type(e).__name__}: {e}"
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host if host not in ("", "0.0.0.0") else "", 0))
-        return s.getsockname()[1]
 
 
 class Transport:
@@ -182,8 +176,9 @@ class GroupTransport(Transport):
                 raise Unavailable(f"generator {r} at {peers.addresses[r]} is unreachable: {why(st)}")
             ranks[r] = nxt
             nxt += max(1, st.weight_sync_ranks)
-        port = free_port(peers.host)
-        joined = groupform.join_in_thread(peers.host, port, nxt, self.backend, peers.timeout_s)
+        store = master_store(peers.host, nxt, peers.timeout_s)  # listening: its port is ours
+        port = store.port
+        joined = groupform.join_in_thread(peers.host, port, nxt, self.backend, peers.timeout_s, store=store)
         calls = {
             r: asyncio.ensure_future(
                 peers.stub(r).InitWeightSync(

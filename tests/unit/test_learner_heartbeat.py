@@ -12,32 +12,38 @@ import sys
 
 import pytest
 
-from tests.kit.net import free_port
-
 pytest.importorskip("torch.distributed")
 
 BOUND = 90  # seconds: far past the 3 s heartbeat, for a loaded 2-core machine
 
 
-def start_ranks(heartbeat: float) -> list[subprocess.Popen]:
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.kit.learner_ranks", str(rank), str(port), str(heartbeat)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    for p in procs:
-        seen = []
+def _rank(rank: int, port: int, heartbeat: float) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.kit.learner_ranks", str(rank), str(port), str(heartbeat)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _until(p: subprocess.Popen, prefix: str) -> str:
+    """Read ``p``'s output up to a line starting with ``prefix`` (that line)."""
+    seen = []
+    line = p.stdout.readline()
+    while line and not line.startswith(prefix):
+        seen.append(line)
         line = p.stdout.readline()
-        while line and line.strip() != "ready":
-            seen.append(line)
-            line = p.stdout.readline()
-        assert line, f"a rank exited before it was ready: {p.wait()}\n{''.join(seen)[-3000:]}"
+    assert line, f"a rank exited before {prefix!r}: {p.wait()}\n{''.join(seen)[-3000:]}"
+    return line
+
+
+def start_ranks(heartbeat: float) -> list[subprocess.Popen]:
+    rank0 = _rank(0, 0, heartbeat)  # its store on a port the kernel picks, printed
+    port = int(_until(rank0, "port ").split()[1])
+    procs = [rank0, _rank(1, port, heartbeat)]
+    for p in procs:
+        _until(p, "ready")
     return procs
 
 

@@ -32,6 +32,23 @@ def open_group(
     ]
 
 
+def master_store(master_addr: str, world_size: int, timeout_s: float = 300.0):
+    """Rank 0's store for a new group, listening on a port the kernel picked (``.port``): the
+    port is known only once it is bound, so no other socket can take it between a choice and
+    the bind (a port found free, closed, and bound again later was taken meanwhile under load:
+    EADDRINUSE)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        master_addr,
+        0,
+        world_size,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
 def open_group_with_store(
     master_addr: str,
     master_port: int,
@@ -40,15 +57,23 @@ def open_group_with_store(
     backend: str,
     timeout_s: float = 300.0,
     group_name: str = "relayrl-weights",
+    store=None,
 ):
     """``open_group``, and the group's store: the side channel ``groupwait`` uses to say that a
-    push was abandoned. Returns (ProcessGroup, store)."""
+    push was abandoned. Returns (ProcessGroup, store). ``store``: rank 0's, already listening
+    (``master_store``); otherwise one is made (rank 0) or joined (the others)."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        master_addr, master_port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
-    )
+    if store is None:
+        store = dist.TCPStore(
+            master_addr,
+            master_port,
+            world_size,
+            is_master=(rank == 0),
+            timeout=timeout,
+            wait_for_workers=False,
+        )
     store = dist.PrefixStore(group_name, store)
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()

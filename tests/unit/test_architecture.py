@@ -232,3 +232,19 @@ def test_only_the_rollout_seam_asks_which_kind_of_episode_an_env_runs():
         str(p.relative_to(ROOT)) for p in (ROOT / "coordinator").rglob("*.py") if "black_box" in p.read_text()
     )
     assert readers == ["coordinator/rollout/__init__.py"], readers
+
+
+def test_the_trainer_never_asks_which_role_it_runs():
+    """The learner's roles own what differs between them (``learner/roles.py``); the trainer runs
+    any of them alike, and its engine never branches on one either."""
+    for name in ("trainer.py", "engines.py"):
+        code = ast.parse((ROOT / "learner" / name).read_text())
+        named = {
+            n.value
+            for n in ast.walk(code)
+            if isinstance(n, ast.Constant) and n.value in ("actor", "critic", "reference")
+        }
+        compared = [
+            ast.unparse(n) for n in ast.walk(code) if isinstance(n, ast.Compare) and "role" in ast.unparse(n)
+        ]
+        assert not named and not compared, (name, named, compared)

@@ -16,4 +16,11 @@ python scripts/gen_protos.py --check
 site="$(mktemp -d)"
 trap 'rm -rf "$site"' EXIT
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict --site-dir "$site"
-python -m pytest "$@"
+# Two workers by default (RELAYRL_TEST_WORKERS; 0 runs in one process): a test file goes whole to
+# one worker, so its module fixtures (a warm-started model, a running stack) are built once.
+workers="${RELAYRL_TEST_WORKERS:-2}"
+if [ "$workers" = 0 ]; then
+  python -m pytest "$@"
+else
+  python -m pytest -n "$workers" --dist loadfile "$@"
+fi

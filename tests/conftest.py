@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 # vLLM on 2 cores: in-process engine and one OpenMP thread start in seconds (see shared NOTES).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -86,7 +87,16 @@ def reverse_assets(tmp_path_factory) -> Path:
     from relayrl.coordinator.assets import prepare
     from relayrl.coordinator.derive import load_experiment
 
-    root = tmp_path_factory.mktemp("reverse")
-    (root / "assets.yaml").write_text(REVERSE_ASSETS.format(root=root))
-    prepare(load_experiment(root / "assets.yaml"))
+    # Under pytest-xdist every worker has its own session: the first to get here builds the
+    # assets in the run's shared base folder, the others wait on its lock and reuse them.
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    root = shared / "reverse-assets"
+    with FileLock(str(shared / "reverse-assets.lock"), timeout=900):
+        if not (root / "ready").exists():
+            root.mkdir(exist_ok=True)
+            (root / "assets.yaml").write_text(REVERSE_ASSETS.format(root=root))
+            prepare(load_experiment(root / "assets.yaml"))
+            (root / "ready").touch()
     return root

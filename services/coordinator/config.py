@@ -182,6 +182,10 @@ class EpisodesSection(StrictModel):
     cannot reach: an agent that runs the model's commands holds the session's key, so the model
     could write its own reward. False: the HTTP call gets 403 (the gRPC SetReward, for a harness
     outside the agent, still works)."""
+    malformed_call_penalty: float = Field(0.0, ge=0, le=1e6)
+    """Black-box episodes: subtracted from the episode's reward once per tool call the model wrote
+    that did not parse (the gateway's count, handed to the agent as text). 0: the env's reward
+    alone; the count is a reward component (``malformed_calls``) and a metric either way."""
     allow_template_drift: bool = False
     """With ``turns: exact``, train even when the chat template is not prefix-preserving (the
     generator's CheckChat: rendering the whole dialogue gives other tokens than the turn-by-turn

@@ -135,7 +135,10 @@ def test_a_harness_reward_wins_and_a_broken_history_trains_per_segment():
 
     ro = _run(episodes(_cfg(), Gen(), BlackBoxEnv(), None, Gateways(answer)))
     ((_, samples, results),) = ro.groups
-    assert [r.reward for r in results] == [1.0, 1.0] and dict(results[0].components) == {"tests_passed": 1.0}
+    assert [r.reward for r in results] == [1.0, 1.0] and dict(results[0].components) == {
+        "tests_passed": 1.0,
+        "malformed_calls": 0.0,
+    }
     train = ro.train_samples(samples[0], advantage=0.5)
     assert [list(t.completion_token_ids) for t in train] == [[10, STOP], [11, 12, STOP]]
     assert [list(t.loss_mask) for t in train] == [[1, 1], [1, 1, 1]]
@@ -147,8 +150,36 @@ def test_an_agent_that_never_called_the_model_is_masked_not_scored_zero():
     ro = _run(episodes(_cfg(), Gen(), env, None, Gateways(lambda key: gw.CloseSessionResponse())))
     ((_, _, results),) = ro.groups
     assert all(r.status == rw.SCORE_STATUS_ERROR and "agent_silent" in r.error for r in results)
-    assert ro.stats["env_masked"] == 2
+    assert ro.stats["env_masked"] == 2 and ro.stats["env_masked_agent_silent"] == 2
     assert sorted(env.closed) == ["s1", "s2"]  # the env sessions are freed, not left to their lease
+
+
+def test_masked_episodes_are_counted_by_reason_and_logged_once_each(caplog):
+    # Two reasons in one rollout: an agent that stayed silent, and one the env masked.
+    masked = ev.CloseResponse(outcome=ev.OUTCOME_MASK, failure_kind="Tool Crashed", failure_reason="boom")
+    env = BlackBoxEnv(close=masked)
+    calls = iter(
+        [gw.CloseSessionResponse(), gw.CloseSessionResponse(segments=[segment([1], [10, STOP], [1, 1])])]
+    )
+    with caplog.at_level("WARNING", logger="relayrl.coordinator.rollout.episodes"):
+        ro = _run(episodes(_cfg(), Gen(), env, None, Gateways(lambda key: next(calls))))
+    assert ro.stats["env_masked"] == 2
+    assert ro.stats["env_masked_agent_silent"] == 1 and ro.stats["env_masked_tool_crashed"] == 1
+    lines = [r.getMessage() for r in caplog.records if "masked" in r.getMessage()]
+    assert len(lines) == 2 and any("(agent_silent)" in m for m in lines)
+    assert any("(Tool Crashed): boom" in m for m in lines)
+
+
+@pytest.mark.parametrize("penalty", [0.0, 0.1])
+def test_malformed_calls_are_counted_and_cost_what_the_experiment_says(penalty):
+    cfg = _cfg(n=1)
+    cfg.episodes.malformed_call_penalty = penalty
+    gws = Gateways(lambda key: gw.CloseSessionResponse(segments=[segment([1], [10, STOP], [1, 1])], calls=1,
+                                                       malformed_calls=2))  # fmt: skip
+    ro = _run(episodes(cfg, Gen(), BlackBoxEnv(), None, gws))
+    (result,) = ro.groups[0][2]
+    assert result.status == rw.SCORE_STATUS_OK and result.reward == pytest.approx(0.25 - 2 * penalty)
+    assert result.components["malformed_calls"] == 2.0 and ro.stats["malformed_calls"] == 2
 
 
 def test_a_silent_agent_whose_env_said_redo_is_run_again():

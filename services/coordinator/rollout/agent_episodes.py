@@ -79,7 +79,7 @@ class AgentEpisodes(EpisodeSource):
             close_soon(self.gateways, a.held, a.tag)
 
     def _result(self, a: Attempt, close: ev.CloseResponse) -> rw.RewardResult:
-        return harness_result(a.eid, a.held.closed, close)
+        return harness_result(a.eid, a.held.closed, close, self.ep.malformed_call_penalty)
 
 
 class AgentSilent(NothingToTrain):
@@ -155,6 +155,7 @@ def episode_of(closed: gw.CloseSessionResponse, pid: str, i: int) -> Episode:
     ep.parse_failures = sum(c.parse != common_pb2.TOOL_CALL_PARSE_OK for s in calls for c in s.tool_calls)
     ep.truncated = closed.truncated > 0 or calls[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     ep.history_breaks = closed.history_breaks
+    ep.malformed_calls = closed.malformed_calls
     parts = []
     for seg in closed.segments:
         s = common_pb2.Sample()
@@ -171,12 +172,26 @@ def episode_of(closed: gw.CloseSessionResponse, pid: str, i: int) -> Episode:
     return ep
 
 
-def harness_result(eid: str, closed: gw.CloseSessionResponse, close: ev.CloseResponse) -> rw.RewardResult:
-    """The episode's reward: the one the harness set on the gateway, else the env's."""
-    if closed.reward_set:
-        return rw.RewardResult(
-            sample_id=eid, status=rw.SCORE_STATUS_OK, reward=closed.reward, components=dict(closed.components)
-        )
+def harness_result(
+    eid: str, closed: gw.CloseSessionResponse, close: ev.CloseResponse, malformed_penalty: float = 0.0
+) -> rw.RewardResult:
+    """The episode's reward: the one the harness set on the gateway, else the env's; less
+    ``malformed_penalty`` per malformed call, whose count is a component either way.
+
+    >>> closed = gw.CloseSessionResponse(malformed_calls=2)
+    >>> r = harness_result("p/0", closed, ev.CloseResponse(reward=1.0), 0.25)
+    >>> r.reward, r.components["malformed_calls"]
+    (0.5, 2.0)
+    """
+    reward, components = (
+        (closed.reward, dict(closed.components))
+        if closed.reward_set
+        else (close.reward, dict(close.components))
+    )
+    components["malformed_calls"] = float(closed.malformed_calls)
     return rw.RewardResult(
-        sample_id=eid, status=rw.SCORE_STATUS_OK, reward=close.reward, components=dict(close.components)
+        sample_id=eid,
+        status=rw.SCORE_STATUS_OK,
+        reward=reward - malformed_penalty * closed.malformed_calls,
+        components=components,
     )

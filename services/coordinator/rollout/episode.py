@@ -28,6 +28,11 @@ class Episode:
     truncated: bool = False
     redone: int = 0
     masked: bool = False
+    mask_reason: str = ""
+    """Why it was masked (``env_masked_<reason>``): ``episode_lost``, ``agent_silent``,
+    ``nothing_to_train`` or the env's own failure kind."""
+    malformed_calls: int = 0
+    """Tool calls the model wrote that did not parse (black-box: the gateway's count)."""
     segments: list[tuple[common_pb2.Sample, list[float] | None]] | None = None
     """Learner samples of their own, with loss masks: stepwise, one per call; black-box, one per
     segment when the agent's history broke."""
@@ -38,12 +43,17 @@ class Episode:
 
 
 def episode_stats(episodes: list[Episode]) -> dict[str, float]:
-    """A rollout's episode metrics (``metrics.jsonl``): tool use, turns, failures.
+    """A rollout's episode metrics (``metrics.jsonl``): tool use, turns, failures; masked
+    episodes counted by reason (``env_masked_<reason>``, beside their total ``env_masked``).
 
     >>> e = Episode(common_pb2.Sample(), [1.0], rw.RewardResult(), turns=2, tool_calls=1)
     >>> s = episode_stats([e, Episode(common_pb2.Sample(), [1.0], rw.RewardResult(), turns=1)])
     >>> s["tool_calls_per_episode"], s["turns_per_episode"], s["episodes_without_tool_call"]
     (0.5, 1.5, 1)
+    >>> lost = Episode(common_pb2.Sample(), [], rw.RewardResult(), masked=True, mask_reason="episode_lost")
+    >>> s = episode_stats([e, lost, lost])
+    >>> s["env_masked"], s["env_masked_episode_lost"]
+    (2, 2)
     """
     ran = [e for e in episodes if e.turns]
     n = max(1, len(ran))
@@ -61,11 +71,25 @@ def episode_stats(episodes: list[Episode]) -> dict[str, float]:
         "env_masked": sum(e.masked for e in episodes),
         "episode_version_spread_max": max((e.version_spread for e in ran), default=0),
         "history_breaks": sum(e.history_breaks for e in ran),
+        "malformed_calls": sum(e.malformed_calls for e in ran),
     }
+    reasons = Counter(_reason(e.mask_reason) for e in episodes if e.masked)
+    out.update({f"env_masked_{k}": v for k, v in sorted(reasons.items())})
     out.update(
         {f"tool_status_{k.removeprefix('TOOL_STATUS_').lower()}": v for k, v in sorted(statuses.items())}
     )
     return out
+
+
+def _reason(kind: str) -> str:
+    """A mask reason as a metric name's tail: lower case, ``[a-z0-9_]``, at most 40 characters
+    (an env's failure kind is its own text).
+
+    >>> _reason("Tool Crashed!"), _reason("")
+    ('tool_crashed', 'masked')
+    """
+    tail = "".join(c if c.isalnum() else "_" for c in kind.lower()[:40]).strip("_")
+    return tail or "masked"
 
 
 def write_trace(path: Path, episodes: list[Episode]) -> None:

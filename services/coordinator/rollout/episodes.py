@@ -255,7 +255,7 @@ class EpisodeSource:
                 continue
             got.redone = attempt
             return got
-        logger.warning("episode %s masked after %d attempts: %s", eid, self.ep.max_attempts, why)
+        why = f"lost on each of {self.ep.max_attempts} attempts: {why}"
         return self._masked(pid, i, "episode_lost", why, self.ep.max_attempts, min_version)
 
     def _masked(
@@ -269,15 +269,17 @@ class EpisodeSource:
         like: Episode | None = None,
     ) -> Episode:
         """A masked episode: ``like`` (one that ran, kept for its counts) or an empty sample at
-        ``version`` (never trained; the version only keeps its group's staleness true)."""
+        ``version`` (never trained; the version only keeps its group's staleness true). Logged
+        once, with its reason (``kind``, counted as ``env_masked_<kind>``)."""
+        logger.warning("episode %s/%d masked (%s): %s", pid, i, kind, why[:500])
         error = rw.RewardResult(
             sample_id=f"{pid}/{i}", status=rw.SCORE_STATUS_ERROR, error=f"env: {kind}: {why}"[:1024]
         )
         if like is not None:
-            like.result, like.masked = error, True
+            like.result, like.masked, like.mask_reason = error, True, kind
             return like
         sample = common_pb2.Sample(prompt_id=pid, sample_index=i, policy_version=version)
-        return Episode(sample, [], error, redone=redone, masked=True)
+        return Episode(sample, [], error, redone=redone, masked=True, mask_reason=kind)
 
     async def _attempt(self, row: dict, a: Attempt) -> Episode:
         """One attempt: the env's session opened (Reset), the episode played on it, the session

@@ -16,6 +16,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# Agent programs for the sandbox (tests/kit/agents): run there with their own requirements, never
+# imported by pytest's doctest collection.
+collect_ignore_glob = ["kit/agents/*"]
+
+
 def _has_cuda() -> bool:
     try:
         import torch

@@ -178,6 +178,12 @@ class Env:
     """Set when a tool call ran past its limit: the episode ended without the model seeing the
     answer, so it says nothing about the policy and Close masks it (never a reward)."""
 
+    @classmethod
+    def prepare(cls, sandbox: Any) -> None:
+        """Once per replica, before it serves: what every session will need ready (a harness
+        env installs its agent's requirements). ``sandbox`` is the replica's (None when it runs
+        none). An exception stops the replica from starting, with its message. Default: nothing."""
+
     def reset(self, task: dict, seed: int) -> list[dict]:
         raise NotImplementedError
 

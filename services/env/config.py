@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+import math
+
+from pydantic import Field, field_validator, model_validator
 from relayrl.common.config import StrictModel, plugin_refs
 from relayrl.common.sandbox.limits import SandboxConfig
 from relayrl.common.serving import ServeConfig
@@ -14,8 +16,17 @@ class EnvConfig(StrictModel):
     serve: ServeConfig = Field(default_factory=ServeConfig)
     """Where the replica listens."""
     plugins: list[str] = Field(default_factory=list)
-    """User environments as ``module:Class``: an ``relayrl.env.base.Env`` subclass, or a
-    TRL-style class (public methods are tools, ``reset(**row)`` and ``get_reward()``)."""
+    """User environments as ``module:Class``: an ``relayrl.env.base.Env`` subclass, or a TRL
+    environment class as ``GRPOTrainer(environment_factory=...)`` takes it (public methods are
+    tools, ``reset(**row)``; scored by its ``get_reward()`` and ``reward_funcs``)."""
+    reward_funcs: list[str] = Field(default_factory=list)
+    """TRL reward functions (``module:function``) scoring the TRL environment classes in
+    ``plugins``, called as ``GRPOTrainer(reward_funcs=...)`` calls them: ``environments``,
+    ``prompts``, ``completions`` and the row's other columns, a batch of one; None where one does
+    not apply."""
+    reward_weights: list[float] | None = None
+    """Weights of ``reward_funcs`` (TRL's ``GRPOConfig.reward_weights``); None: 1 each. A class's
+    own ``get_reward`` counts with weight 1."""
     max_sessions: int = Field(1024, ge=1, le=1_000_000)
     """Most sessions open at once; a Reset past it is RESOURCE_EXHAUSTED (retry later or
     elsewhere)."""
@@ -49,3 +60,18 @@ class EnvConfig(StrictModel):
     @classmethod
     def _plugin_refs(cls, v: list[str]) -> list[str]:
         return plugin_refs(v, "Class")
+
+    @field_validator("reward_funcs")
+    @classmethod
+    def _function_refs(cls, v: list[str]) -> list[str]:
+        return plugin_refs(v, "function")
+
+    @model_validator(mode="after")
+    def _weights(self) -> EnvConfig:
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward_funcs"
+            )
+        if self.reward_weights is not None and not all(math.isfinite(w) for w in self.reward_weights):
+            raise ValueError("reward_weights: every weight must be a finite number")
+        return self

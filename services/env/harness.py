@@ -39,25 +39,38 @@ Your own harness: subclass ``HarnessEnv`` in a module of yours and name it in ``
         agent_seconds = 300.0
 
 The agent is a Python program: it reads stdin and the OPENAI_* variables as above and prints the
-report line (``agents/calc_agent.py`` is a model of one). It runs under ``python3 -I -S``, so it
-has the standard library and what it brings in ``agent_files`` (pure Python, imported from /tmp);
-any HTTP/1.1 client of the OpenAI chat API works.
+report line (``agents/calc_agent.py`` is a model of one). It runs under ``python3 -I -S`` with the
+standard library, what it brings in ``agent_files`` (imported from /tmp), and its own packages:
+an agent written with a framework sets ``agent_folder`` (``agent.py``, its modules and a
+``requirements.txt``, e.g. ``langchain-openai``), whose requirements each replica installs once,
+before serving, for the sandbox's interpreter (``Sandbox.packages``: wheels only, into a shared
+cache) and mounts read-only at ``PACKAGES`` in every job::
+
+    class MyFrameworkHarness(HarnessEnv):
+        name = "my-framework-harness"
+        task_env = MyTaskEnv
+        agent_folder = "/opt/agents/my_langchain_agent"   # agent.py, requirements.txt, ...
+
+The agent's network is still the gateway alone: its client (the OpenAI SDK under LangChain,
+pydantic-ai, the Agents SDK) needs only ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and the model.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import urlsplit, urlunsplit
 
-from relayrl.common.sandbox import RunResult, SandboxLimits, SandboxUnavailable, Verdict
+from relayrl.common.sandbox import PackagesError, RunResult, SandboxLimits, SandboxUnavailable, Verdict
 from relayrl.env.base import Action, Env, EnvUnavailable, Outcome, Reward, StepAnswer, TaskError
 from relayrl.env.calc import CalcEnv
 from relayrl.env.forward import GatewayForwarder
 from relayrl.env.tools import ToolEnv, cut
 
+logger = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 AGENTS = HERE / "agents"
 SANDBOX_SOCKET = "/run/relayrl/gateway.sock"
@@ -68,6 +81,9 @@ RESERVED_FILES = ("main.py", "agent.py", "relay.py")
 MAX_REASON_CHARS = 600
 """The end of the agent's stderr kept in a failure reason."""
 MAX_FINAL_CHARS = 256 << 10
+MAX_FOLDER_FILES = 64
+PACKAGES = "/opt/relayrl/packages"
+"""Where the agent's installed requirements are mounted in the job (read-only)."""
 START_SECONDS = 1.0
 """Time kept back from the step's deadline for starting and ending the job."""
 
@@ -122,6 +138,14 @@ class HarnessEnv(Env):
     """Host path of the agent program, copied into the job's /tmp as ``agent.py``."""
     agent_files: ClassVar[dict[str, str]] = {}
     """More files for the job's /tmp: file name -> host path (not main.py, agent.py, relay.py)."""
+    agent_requirements: ClassVar[str] = ""
+    """Host path of the agent's requirements file (pip's format): installed once per replica
+    host for the sandbox's interpreter (``Sandbox.packages``, wheels only, at the replica's start)
+    and mounted read-only at ``PACKAGES`` in each job, on the agent's ``sys.path``."""
+    agent_folder: ClassVar[str] = ""
+    """A folder holding the agent: ``agent.py``, the modules beside it (``*.py``, at most
+    ``MAX_FOLDER_FILES``) and ``requirements.txt``; sets ``agent_program``, ``agent_files`` and
+    ``agent_requirements`` where the class leaves them unset."""
     agent_turns: ClassVar[int | None] = None
     """Most model calls the agent may make (``max_turns`` of its stdin); None: the task env's
     ``max_turns``, as many as the white-box episode has."""
@@ -133,8 +157,13 @@ class HarnessEnv(Env):
     """The job's limits but the wall clock: memory and processes (threads count) per process, and a
     CPU time that waiting on the model does not use up."""
 
+    _packages: ClassVar[dict[str, str]] = {}
+    """Requirements text -> the installed folder (``prepare``), per replica process."""
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if "agent_folder" in vars(cls) and cls.agent_folder:
+            _from_folder(cls)
         task = cls.task_env
         if task is None:
             return
@@ -145,6 +174,10 @@ class HarnessEnv(Env):
         for name, path in cls.agent_files.items():
             if name in RESERVED_FILES or not Path(path).is_file():
                 raise ValueError(f"{cls.__name__}.agent_files[{name!r:.80}]: a reserved name, or not a file")
+        if cls.agent_requirements and not Path(cls.agent_requirements).is_file():
+            raise ValueError(
+                f"{cls.__name__}.agent_requirements {cls.agent_requirements!r:.200} is not a file"
+            )
         turns = task.max_turns if cls.agent_turns is None else cls.agent_turns
         if not 0 < cls.agent_seconds <= 600 or not 1 <= turns <= 1000:
             raise ValueError(f"{cls.__name__}: agent_seconds must be in (0, 600], agent_turns in 1..1000")
@@ -152,6 +185,23 @@ class HarnessEnv(Env):
             cls.tools = task.tools
         if "expects_tools" not in vars(cls):
             cls.expects_tools = task.expects_tools
+
+    @classmethod
+    def prepare(cls, sandbox: Any) -> None:
+        """Install the agent's requirements (once per host and requirements file; minutes the first
+        time, then instant), so that no episode waits for it."""
+        if cls.agent_requirements and sandbox is not None:
+            cls._site(sandbox)
+
+    @classmethod
+    def _site(cls, sandbox: Any) -> str:
+        """The folder with the agent's requirements installed (``PackagesError`` if they do not
+        install)."""
+        text = Path(cls.agent_requirements).read_text()
+        if text not in HarnessEnv._packages:
+            logger.info("%s: installing the agent's requirements (%s)", cls.name, cls.agent_requirements)
+            HarnessEnv._packages[text] = sandbox.packages(text)
+        return HarnessEnv._packages[text]
 
     def __init__(self) -> None:
         self.task: ToolEnv | None = None
@@ -216,6 +266,15 @@ class HarnessEnv(Env):
         }
         env = {"OPENAI_API_KEY": gw.api_key, "OPENAI_MODEL": gw.model, "OPENAI_BASE_URL": gw.base_url}
         binds = {}
+        if self.agent_requirements:
+            try:
+                site = self._site(self.sandbox)
+            except PackagesError as e:  # the replica's install, not the policy: REDO elsewhere
+                raise EnvUnavailable(f"the agent's requirements: {e}", "agent_packages") from None
+            inside = PACKAGES if self.sandbox.tier == "full" else site
+            if self.sandbox.tier == "full":
+                binds[site] = PACKAGES
+            env["RELAYRL_AGENT_PACKAGES"] = inside
         if self.sandbox.tier == "full":
             try:
                 self.forwarder = GatewayForwarder(gw.base_url)
@@ -256,6 +315,22 @@ class HarnessEnv(Env):
         t.turns, t.tool_calls, t.truncated = report["turns"], report["tool_calls"], report["truncated"]
         final = report["final"]
         t.final_text = None if final is None or report["truncated"] else cut(final, MAX_FINAL_CHARS)
+
+
+def _from_folder(cls: type[HarnessEnv]) -> None:
+    """Set ``cls``'s agent program, files and requirements from its ``agent_folder``."""
+    folder = Path(cls.agent_folder)
+    if not (folder / "agent.py").is_file():
+        raise ValueError(f"{cls.__name__}.agent_folder {cls.agent_folder!r:.200} holds no agent.py")
+    modules = sorted(p for p in folder.glob("*.py") if p.name != "agent.py")
+    if len(modules) > MAX_FOLDER_FILES:
+        raise ValueError(f"{cls.__name__}.agent_folder: at most {MAX_FOLDER_FILES} modules beside agent.py")
+    if "agent_program" not in vars(cls):
+        cls.agent_program = str(folder / "agent.py")
+    if "agent_files" not in vars(cls):
+        cls.agent_files = {p.name: str(p) for p in modules}
+    if "agent_requirements" not in vars(cls) and (folder / "requirements.txt").is_file():
+        cls.agent_requirements = str(folder / "requirements.txt")
 
 
 class CalcHarnessEnv(HarnessEnv):

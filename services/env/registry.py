@@ -65,8 +65,11 @@ def _checked(cls: type[Env], ref: str) -> type[Env]:
     return cls
 
 
-def load_plugin(ref: str) -> type[Env]:
-    """Import ``module:Class``: an ``Env`` subclass, or a TRL-style class (wrapped)."""
+def load_plugin(
+    ref: str, reward_funcs: Sequence[str] = (), weights: Sequence[float] | None = None
+) -> type[Env]:
+    """Import ``module:Class``: an ``Env`` subclass, or a TRL environment class (wrapped, scored
+    by its ``get_reward`` and ``reward_funcs``)."""
     module, _, name = ref.partition(":")
     try:
         obj = getattr(importlib.import_module(module), name)
@@ -76,17 +79,24 @@ def load_plugin(ref: str) -> type[Env]:
         return _checked(obj, ref)
     if is_trl_style(obj):
         try:
-            return _checked(trl_env(obj), ref)
-        except (TypeError, NameError) as e:  # a type hint that does not resolve
+            return _checked(trl_env(obj, reward_funcs=reward_funcs, weights=weights), ref)
+        except (
+            TypeError,
+            NameError,
+            ImportError,
+            AttributeError,
+        ) as e:  # a hint or function that does not resolve
             raise PluginError(f"plugin {ref}: {type(e).__name__}: {e}") from e
-    raise PluginError(f"plugin {ref}: not an Env subclass nor a class with reset and get_reward")
+    raise PluginError(f"plugin {ref}: not an Env subclass nor a TRL environment class (one with reset)")
 
 
-def build_registry(plugins: Sequence[str]) -> dict[str, EnvSpec]:
-    """Built-ins, then plugins, by name."""
+def build_registry(
+    plugins: Sequence[str], reward_funcs: Sequence[str] = (), weights: Sequence[float] | None = None
+) -> dict[str, EnvSpec]:
+    """Built-ins, then plugins, by name (TRL classes scored with ``reward_funcs``)."""
     specs = {c.name: EnvSpec(c.name, c, f"{c.__module__}:{c.__qualname__}", False) for c in BUILTINS}
     for ref in plugins:
-        cls = load_plugin(ref)
+        cls = load_plugin(ref, reward_funcs, weights)
         prev = specs.get(cls.name)
         if prev is not None and prev.from_plugin:
             raise PluginError(f"plugin {ref}: env {cls.name!r} is already served by {prev.origin}")

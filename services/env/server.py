@@ -12,7 +12,7 @@ from relayrl.common.grpc_server import (
     start,
     start_metrics_server,
 )
-from relayrl.common.sandbox import Sandbox, SandboxUnsafe, probe
+from relayrl.common.sandbox import PackagesError, Sandbox, SandboxUnsafe, probe
 from relayrl.env.config import EnvConfig
 from relayrl.env.registry import PluginError, build_registry
 from relayrl.env.servicer import EnvServicer
@@ -27,12 +27,15 @@ SERVICE = DESCRIPTOR.full_name
 def build(config: EnvConfig) -> ServerHandle:
     """The server (bound, not started) for the envs ``config`` names; call from inside the event
     loop that will serve (the lease reaper starts on it). Shutting it down closes every open
-    session. Raises ``PluginError`` when a plugin cannot be loaded, and ``SandboxUnsafe`` when an
-    env that runs the model's code is served and the sandbox's start-up probe fails."""
-    specs = build_registry(config.plugins)
+    session. Raises ``PluginError`` when a plugin cannot be loaded, ``SandboxUnsafe`` when an
+    env that runs the model's code is served and the sandbox's start-up probe fails, and what an
+    env's ``prepare`` raises (``PackagesError``: its agent's requirements do not install)."""
+    specs = build_registry(config.plugins, config.reward_funcs, config.reward_weights)
     table = SessionTable(specs, config)
     if any(spec.cls.needs_sandbox for spec in specs.values()):
         table.sandbox = start_sandbox(config)
+    for spec in specs.values():  # e.g. a harness env's agent requirements, installed once
+        spec.cls.prepare(table.sandbox)
     handle = create_server(EnvServicer(table, config), DESCRIPTOR, config.serve)
     table.on_ready = lambda ready: asyncio.ensure_future(handle.set_ready(ready))
     table.start()
@@ -57,11 +60,11 @@ def start_sandbox(config: EnvConfig) -> Sandbox:
 
 
 async def run(config: EnvConfig, port_file: str | None = None) -> None:
-    """Serve until SIGTERM, then drain and close the sessions. A plugin that cannot be loaded
-    stops the process (status 1) before anything binds."""
+    """Serve until SIGTERM, then drain and close the sessions. A plugin that cannot be loaded (or
+    whose agent's requirements do not install) stops the process (status 1) before anything binds."""
     try:
         handle = build(config)
-    except (PluginError, SandboxUnsafe) as e:
+    except (PluginError, SandboxUnsafe, PackagesError) as e:
         raise SystemExit(f"env: {e}") from None
     await start(handle, ready=False)
     metrics_port = start_metrics_server(config.serve.metrics_port, config.serve.host)

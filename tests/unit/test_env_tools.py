@@ -148,7 +148,7 @@ def test_a_call_with_no_time_left_is_not_run():
     [
         ("tests.kit.no_such_module:X", "cannot load: ModuleNotFoundError"),
         ("tests.kit.env_plugins:Nope", "cannot load: AttributeError"),
-        ("tests.kit.env_plugins:RUNS", "not an Env subclass nor a class with reset and get_reward"),
+        ("tests.kit.env_plugins:RUNS", "not an Env subclass nor a TRL environment class"),
         ("relayrl.env.base:Env", "name must be a non-empty string"),
     ],
 )

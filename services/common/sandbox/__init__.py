@@ -19,10 +19,12 @@ from relayrl.common.sandbox.limits import (
     Tier,
     Verdict,
 )
+from relayrl.common.sandbox.packages import PackagesError
 from relayrl.common.sandbox.pool import Sandbox
 from relayrl.common.sandbox.probe import ProbeReport, probe
 
 __all__ = [
+    "PackagesError",
     "ProbeReport",
     "RunResult",
     "Sandbox",

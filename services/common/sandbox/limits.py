@@ -105,6 +105,12 @@ class SandboxConfig(StrictModel):
     CPU: ``SandboxLimits``) where the service can make cgroups (root on a VM, or a
     delegated cgroup v2 subtree). ``auto``: where it can, else per-process limits only (the probe
     says which); ``required``: refuse to start without; ``off``: never."""
+    packages_dir: str = Field("", max_length=4096)
+    """Where requirements for sandboxed programs (a harness env's ``agent_requirements``) are
+    installed, one read-only folder per requirements file and interpreter, shared by the
+    replicas of a host; empty: ``$XDG_CACHE_HOME/relayrl/sandbox-packages``."""
+    packages_timeout_seconds: float = Field(900.0, gt=0, le=86400)
+    """Longest one install may take (a replica installs before it serves)."""
     uid_base: int = Field(61000, ge=1000, le=(1 << 31) - 4096)
     """When the service runs as root: each worker runs its jobs as a host user of its own, the first
     free ones from ``uid_base`` up (locked in /run/lock, so that two sandboxes never share one), so

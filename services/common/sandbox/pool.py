@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from relayrl.common.sandbox.cgroups import Cgroups
 from relayrl.common.sandbox.extras import check_binds, check_env
@@ -42,6 +43,7 @@ from relayrl.common.sandbox.limits import (
     Tier,
     Verdict,
 )
+from relayrl.common.sandbox.packages import default_root, install
 from relayrl.common.sandbox.procs import kill_user
 from relayrl.common.sandbox.runner import (
     Job,
@@ -74,6 +76,8 @@ class Sandbox:
         proc: bool = True,
         cgroups: str = "auto",
         max_waiting: int = 1024,
+        packages_dir: str = "",
+        packages_timeout: float = 900.0,
     ):
         if tier not in ("full", "rlimits-only"):
             raise ValueError(f"sandbox tier must be 'full' or 'rlimits-only', got {tier!r}")
@@ -84,6 +88,8 @@ class Sandbox:
         self.workers = workers
         self.python = resolve_python(python)
         self.proc = proc
+        self.packages_dir = Path(packages_dir) if packages_dir else default_root()
+        self.packages_timeout = packages_timeout
         self.bwrap = shutil.which(bwrap, path=f"/usr/bin:/bin:{os.environ.get('PATH', '')}") or bwrap
         self._locks: list[int] = []
         uids = self._claim_uids(uid_base, workers) if os.geteuid() == 0 else [None] * workers
@@ -110,7 +116,8 @@ class Sandbox:
         return cls(
             config.tier, config.limits, config.workers, python=config.python, bwrap=config.bwrap,
             uid_base=config.uid_base, proc=config.proc, cgroups=config.cgroups,
-            max_waiting=config.max_waiting,
+            max_waiting=config.max_waiting, packages_dir=config.packages_dir,
+            packages_timeout=config.packages_timeout_seconds,
         )  # fmt: skip
 
     async def run(
@@ -146,6 +153,12 @@ class Sandbox:
     ) -> RunResult:
         """``run`` for a thread (blocks it until a worker is free and the job has ended)."""
         return self._run(self._job(code, stdin, limits, files, binds, env, deadline))
+
+    def packages(self, requirements: str) -> str:
+        """The read-only folder holding ``requirements`` (a requirements file's text) installed for
+        this sandbox's interpreter (``packages.install``: built once, then reused); mount it
+        into a job with ``binds``. ``PackagesError`` when pip cannot install them."""
+        return str(install(requirements, self.python, self.packages_dir, self.packages_timeout))
 
     def close(self) -> None:
         """Stop taking async jobs (those running end under their own limits); give the slots'

@@ -10,8 +10,9 @@ the host pipes it on to the gateway (``relayrl.env.forward``). So ``OPENAI_BASE_
 namespaces) nothing is served and the agent's ``OPENAI_BASE_URL`` is the gateway itself.
 
 Then the agent runs in this process (``runpy``, as ``__main__``, its folder first on
-``sys.path``: ``-I`` leaves the script's folder out), with this process's stdin, stdout and
-stderr; the job exits with the agent's status (1 for an exception it raised).
+``sys.path``: ``-I`` leaves the script's folder out; then its installed requirements, where the
+harness mounted them), with this process's stdin, stdout and stderr; the job exits with the
+agent's status (1 for an exception it raised).
 """
 
 from __future__ import annotations
@@ -44,9 +45,16 @@ def forward(path: str):
 
 
 def run_agent(path: str = AGENT) -> int:
-    """Run the agent program as ``__main__``; its exit status."""
+    """Run the agent program as ``__main__``; its exit status. Its installed requirements
+    (``RELAYRL_AGENT_PACKAGES``, mounted read-only) go on ``sys.path`` after its own folder, their
+    ``.pth`` files read as site-packages' are (``-S`` skipped that)."""
     if HERE not in sys.path:
         sys.path.insert(0, HERE)
+    packages = os.environ.get("RELAYRL_AGENT_PACKAGES", "")
+    if packages:
+        import site
+
+        site.addsitedir(packages)
     sys.argv = [path]
     try:
         runpy.run_path(path, run_name="__main__")

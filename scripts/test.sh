@@ -29,10 +29,11 @@ site="$(mktemp -d)"
 trap 'rm -rf "$site"' EXIT
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict --site-dir "$site"
 # Two workers by default (RELAYRL_TEST_WORKERS; 0 runs in one process): a test file goes whole to
-# one worker, so its module fixtures (a warm-started model, a running stack) are built once.
+# one worker, so its module fixtures (a warm-started model, a running stack) are built once; the
+# longest files go first (tests/conftest.py, LONGEST_FILES), in that order (no reordering by size).
 workers="${RELAYRL_TEST_WORKERS:-2}"
 if [ "$workers" = 0 ]; then
   python -m pytest "$@"
 else
-  python -m pytest -n "$workers" --dist loadfile "$@"
+  python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
 fi

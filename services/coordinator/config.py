@@ -23,6 +23,8 @@ from relayrl.reward.config import RewardConfig
 
 Task = Literal[tuple(TASKS)]  # the built-in tasks of the data kit, from its registry
 TinyTask = Literal[(*TASKS, "pyexec")]
+GYM_SCORER = "relayrl.reward.gym:score"
+"""The reward plugin that scores reasoning-gym tasks (``data.generate.task: reasoning_gym/<name>``)."""
 """What a tiny model may be warm-started on: a data kit task, or an env whose warm start is on its
 episodes of a data kit task (``pyexec``: calc's rows, a python tool)."""
 
@@ -77,8 +79,9 @@ and a run slot for minutes (at this bound: ~3 s and ~100 MB of countdown rows; ~
 class TaskDataSpec(StrictModel):
     """Generate the dataset files when they are missing."""
 
-    task: Task
-    """Which built-in task."""
+    task: Task | str
+    """Which task: a built-in one, or any reasoning-gym task as ``reasoning_gym/<name>`` (needs
+    ``relayrl[tasks]``; score it with the reward plugin ``relayrl.reward.gym:score``)."""
     n_train: int = Field(2000, ge=1, le=MAX_GENERATED_ROWS)
     """Training prompts (at most 50,000: generated in memory before the run starts; write a
     larger set with ``relayrl data`` and name it in ``data.train``)."""
@@ -92,7 +95,14 @@ class TaskDataSpec(StrictModel):
 
     @model_validator(mode="after")
     def _known_params(self) -> TaskDataSpec:
-        from relayrl.common.data.tasks import generate
+        from relayrl.common.data.gym import is_gym
+        from relayrl.common.data.tasks import TASKS, generate
+
+        if self.task not in TASKS and not is_gym(self.task):
+            raise ValueError(
+                f"data.generate.task: {self.task!r} is neither a built-in task ({', '.join(TASKS)}) "
+                "nor reasoning_gym/<name>"
+            )
 
         try:  # no rows: only the parameter checks run
             generate(self.task, 0, self.seed, **self.params)
@@ -480,6 +490,16 @@ class ExperimentConfig(StrictModel):
             raise ValueError(
                 f"env.lease_seconds ({self.env.lease_seconds:g}) must exceed services.deadline_seconds "
                 f"({self.services.deadline_seconds:g}): a session waits that long for a turn's Generate"
+            )
+        gen = self.data.generate
+        if (
+            gen is not None
+            and gen.task.startswith("reasoning_gym/")
+            and self.services.embedded
+            and GYM_SCORER not in self.reward.plugins
+        ):
+            raise ValueError(
+                f"reward.plugins: data.generate.task {gen.task!r} is scored by {GYM_SCORER}; add it"
             )
         if (self.services.gateway_replicas or self.services.gateways) and self.episodes is None:
             raise ValueError(

@@ -282,7 +282,7 @@ class HarnessEnv(Env):
                 raise EnvUnavailable(
                     f"cannot forward to the gateway {gw.base_url!r:.200}: {e}", "gateway_unavailable"
                 ) from None
-            binds = {self.forwarder.path: SANDBOX_SOCKET}
+            binds[self.forwarder.path] = SANDBOX_SOCKET
             parts = urlsplit(gw.base_url)
             env["OPENAI_BASE_URL"] = urlunsplit((parts.scheme, SANDBOX_URL, parts.path, parts.query, ""))
             env["RELAYRL_GATEWAY_SOCKET"] = SANDBOX_SOCKET

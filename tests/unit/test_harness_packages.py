@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import stat
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -62,6 +63,17 @@ def offline(wheels: Path, *requirements: str) -> str:
     return "\n".join(["--no-index", f"--find-links {wheels}", *requirements]) + "\n"
 
 
+@pytest.fixture
+def reachable():
+    """A folder the sandbox's users can reach (pytest's own are closed to other users)."""
+    d = Path(tempfile.mkdtemp(prefix="relayrl-packages-", dir="/tmp"))
+    d.chmod(0o755)
+    yield d
+    for folder, _, _ in os.walk(d):
+        os.chmod(folder, 0o755)
+    shutil.rmtree(d)
+
+
 @pytest.fixture(scope="module")
 def sandbox():
     if shutil.which("bwrap") is None:
@@ -75,11 +87,11 @@ def sandbox():
     box.close()
 
 
-def test_requirements_install_once_read_only_and_per_text(tmp_path, sandbox):
+def test_requirements_install_once_read_only_and_per_text(tmp_path, sandbox, reachable):
     wheels = tmp_path / "wheels"
     make_wheel(wheels)
     make_wheel(wheels, version="0.2", code="VALUE = 2\n")
-    root = tmp_path / "packages"
+    root = reachable / "packages"
     first = install(offline(wheels, "agentlib==0.1"), sandbox.python, root)
     assert (first / "agentlib" / "__init__.py").read_text() == "VALUE = 42\n"
     again = install(offline(wheels, "agentlib==0.1"), sandbox.python, root)
@@ -94,14 +106,17 @@ def test_requirements_install_once_read_only_and_per_text(tmp_path, sandbox):
             mode = stat.S_IMODE(os.stat(os.path.join(folder, name)).st_mode)
             assert mode & 0o444 == 0o444 and not mode & 0o222, (name, oct(mode))
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == sorted([first.name, other.name])
+    if os.geteuid() == 0:  # jobs run as users of their own: a folder they cannot reach is refused
+        with pytest.raises(PackagesError, match="closed to other users"):
+            install(offline(wheels, "agentlib==0.2"), sandbox.python, tmp_path / "closed")
 
 
-def test_requirements_that_do_not_install_say_why_and_stop_the_replica(tmp_path, sandbox):
+def test_requirements_that_do_not_install_say_why_and_stop_the_replica(tmp_path, sandbox, reachable):
     reqs = tmp_path / "requirements.txt"
     reqs.write_text(offline(tmp_path, "no-such-package==1.0"))
     with pytest.raises(PackagesError, match="no-such-package"):
-        install(reqs.read_text(), sandbox.python, tmp_path / "packages")
-    assert not [p for p in (tmp_path / "packages").iterdir() if p.is_dir()]  # nothing half-built kept
+        install(reqs.read_text(), sandbox.python, reachable / "packages")
+    assert not [p for p in (reachable / "packages").iterdir() if p.is_dir()]  # nothing half-built kept
 
     folder = tmp_path / "agent"
     folder.mkdir()
@@ -109,7 +124,7 @@ def test_requirements_that_do_not_install_say_why_and_stop_the_replica(tmp_path,
     shutil.copy(reqs, folder / "requirements.txt")
     cls = type("Broken", (CalcHarnessEnv,), {"name": "broken", "agent_folder": str(folder)})
     assert cls.agent_requirements == str(folder / "requirements.txt")
-    box = Sandbox("full", workers=1, packages_dir=str(tmp_path / "packages"))
+    box = Sandbox("full", workers=1, packages_dir=str(reachable / "packages"))
     try:
         with pytest.raises(PackagesError, match="no-such-package"):
             cls.prepare(box)  # the env service's build() calls it: the replica does not start
@@ -141,14 +156,16 @@ print(json.dumps({"final": json.dumps({"value": agentlib.VALUE, "where": where, 
 
 
 @needs_bwrap
-def test_a_folder_agent_imports_its_packages_in_the_sandbox_and_cannot_write_them(tmp_path, sandbox):
+def test_a_folder_agent_imports_its_packages_in_the_sandbox_and_cannot_write_them(
+    tmp_path, sandbox, reachable
+):
     make_wheel(tmp_path / "wheels")
     folder = tmp_path / "agent"
     folder.mkdir()
     (folder / "agent.py").write_text(AGENT)
     (folder / "requirements.txt").write_text(offline(tmp_path / "wheels", "agentlib==0.1"))
     cls = type("Folder", (CalcHarnessEnv,), {"name": "folder", "agent_folder": str(folder)})
-    box = Sandbox("full", workers=1, packages_dir=str(tmp_path / "packages"))
+    box = Sandbox("full", workers=1, packages_dir=str(reachable / "packages"))
     try:
         cls.prepare(box)
         with FakeOpenAI([answer("unused")]) as fake:
@@ -189,8 +206,7 @@ def test_a_langchain_agent_plays_calc_in_the_sandbox_through_the_gateway_token_f
     reqs = (LANGCHAIN_AGENT / "requirements.txt").read_text()
     (folder / "requirements.txt").write_text(offline(wheels) + reqs)
     cls = type("LangChainCalc", (CalcHarnessEnv,), {"name": "langchain-calc", "agent_folder": str(folder)})
-    cache = Path(os.environ.get("RELAYRL_TEST_CACHE", Path.home() / ".cache" / "relayrl-tests"))
-    box = Sandbox("full", workers=1, packages_dir=str(cache / "sandbox-packages"))
+    box = Sandbox("full", workers=1)  # the default folder: installed once, reused by later runs
     task = {"prompt": QUESTION, "reward_model": {"ground_truth": ANSWER}, "data_source": "calc"}
 
     async def play():

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relayrl.common.data.expressions import expression_steps, random_tree, reverse_trace
+from relayrl.common.data.gym import is_gym
+from relayrl.common.data.gym import rows as gym_rows
 
 SPLITS = ("train", "test")
 TEST_BUCKETS = 10
@@ -342,6 +344,10 @@ def generate_rows(
     ``STOP_EVERY`` draws: once it answers true, GenerationStopped (a coordinator preparing the
     data of a run that was stopped meanwhile, from another thread, gives up at once)."""
     params = dict(params or {})
+    if is_gym(task):  # any reasoning-gym task, by name
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+        return gym_rows(task, n, seed, split, params)
     spec = TASKS.get(task)
     if spec is None:
         raise ValueError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")

@@ -35,9 +35,28 @@ class PackagesError(RuntimeError):
 
 
 def default_root() -> Path:
-    """``$XDG_CACHE_HOME/relayrl/sandbox-packages`` (``~/.cache`` without it)."""
+    """``/var/cache/relayrl/sandbox-packages`` for a service run as root (its jobs run as users of
+    their own, who must reach the folder: a root's home is closed to them), else
+    ``$XDG_CACHE_HOME/relayrl/sandbox-packages`` (``~/.cache`` without it)."""
+    if os.geteuid() == 0:
+        return Path("/var/cache/relayrl/sandbox-packages")
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "relayrl" / "sandbox-packages"
+
+
+def check_reachable(folder: Path) -> None:
+    """PackagesError unless other users can reach ``folder`` (every folder above it open to them:
+    a service run as root runs its jobs as users of their own, and bubblewrap mounts the folder as
+    the job's user)."""
+    if os.geteuid() != 0:
+        return
+    for above in [folder, *folder.parents]:
+        mode = above.stat().st_mode
+        if not mode & 0o001:
+            raise PackagesError(
+                f"the sandbox's users cannot reach {folder}: {above} is closed to other users "
+                f"(mode {oct(mode & 0o777)}); set sandbox.packages_dir to a folder they can reach"
+            )
 
 
 def interpreter_version(python: str) -> str:
@@ -76,8 +95,11 @@ def install(requirements: str, python: str, root: Path | None = None, timeout: f
     version = interpreter_version(python)
     dest = root / folder_name(requirements, version)
     if (dest / COMPLETE).exists():
+        check_reachable(dest)
         return dest
     root.mkdir(parents=True, exist_ok=True)
+    os.chmod(root, 0o755)
+    check_reachable(root)
     end = time.monotonic() + timeout
     with open(root / f"{dest.name}.lock", "w") as lock:
         _lock(lock, end)

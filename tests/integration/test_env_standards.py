@@ -1,0 +1,88 @@
+"""Environments written for other ecosystems train on the embedded default from a config alone
+(``relayrl run``, every service a local process, the tiny model of the reverse assets):
+
+- a reasoning-gym task by name (``data.generate.task: reasoning_gym/<name>``), scored by its own
+  ``score_answer`` through the reward plugin ``relayrl.reward.gym:score``;
+- TRL's environment class as its docs write it (``tests/kit/trl_envs.py``: ``GuessEnv``, a tool per
+  action, a reward function that receives the environments), named in ``env.plugins`` and
+  ``env.reward_funcs``.
+
+Each run trains 3 steps: every step is recorded with its groups scored (no reward error, nothing
+masked), the learner stepped, and for the episodes the env's tools offered to the model."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from tests.integration.test_e2e import _records, _relayrl
+
+pytestmark = pytest.mark.slow
+
+COMMON = """
+seed: 0
+runs_dir: runs
+model:
+  path: {model}
+sampling: {{n: 4, temperature: 1.0, max_tokens: 24}}
+algorithm: {{advantage: reinforce_pp}}
+schedule: {{steps: 3, prompts_per_step: 4, max_staleness: 0, eval_every: 0, checkpoint_every: 0}}
+services: {{deadline_seconds: 120}}
+learner: {{world_size: 1, optim: {{lr: 1.0e-4}}}}
+generator: {{engine: {{dtype: float32, max_model_len: 512, kv_cache_gib: 0.25}}}}
+"""
+
+GYM = """
+name: gym
+data:
+  train: {root}/gym-train.jsonl
+  generate: {{task: reasoning_gym/leg_counting, n_train: 64, n_test: 0, seed: 0}}
+reward: {{workers: 1, plugins: [relayrl.reward.gym:score]}}
+"""
+
+TRL = """
+name: trl
+data:
+  train: {root}/trl-train.jsonl
+env: {{plugins: ["tests.kit.trl_envs:GuessEnv"], reward_funcs: ["tests.kit.trl_envs:reward_func"]}}
+episodes: {{env: guessenv, tool_format: hermes, max_turns: 3, max_episode_tokens: 200, zero_tool_alarm: warn}}
+reward: {{workers: 1}}
+"""
+
+
+def _steps(root, name):
+    run_dir = next((root / "runs").glob(f"{name}-*"))
+    return [r for r in _records(run_dir) if "reward_mean" in r]
+
+
+@pytest.mark.parametrize("standard", ["reasoning-gym", "trl"])
+def test_an_environment_of_another_ecosystem_trains_three_steps_from_a_config(
+    standard, tmp_path, reverse_assets
+):
+    pytest.importorskip("reasoning_gym")
+    body = GYM if standard == "reasoning-gym" else TRL
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(
+        textwrap.dedent(COMMON.format(model=reverse_assets / "model"))
+        + textwrap.dedent(body.format(root=tmp_path))
+    )
+    if standard == "trl":  # TRL's dataset: a prompt and the column its env's reset takes
+        rows = [
+            {"data_source": "guess", "prompt": [{"role": "user", "content": "Play."}], "secret": k % 9 + 1}
+            for k in range(32)
+        ]
+        (tmp_path / "trl-train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = _relayrl("run", str(exp), cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    steps = _steps(tmp_path, "gym" if standard == "reasoning-gym" else "trl")
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert r["groups"] == 4 and r["reward_errors"] == 0 and r.get("env_masked", 0) == 0, r
+        assert r["train_tokens"] > 0 and "loss" in r, r
+    if standard == "reasoning-gym":
+        rows = [json.loads(x) for x in (tmp_path / "gym-train.jsonl").read_text().splitlines()]
+        assert len(rows) == 64 and rows[0]["data_source"] == "reasoning_gym/leg_counting"
+    else:
+        assert all(r["turns_per_episode"] >= 1 for r in steps)

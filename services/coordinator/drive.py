@@ -30,8 +30,9 @@ async def drive(
     from relayrl.common.data.dataset import load_rows
 
     state = json.loads((run_dir / "checkpoints" / "coordinator.json").read_text()) if resume else None
-    train_rows = load_rows(cfg.data.train)
-    test_rows = load_rows(cfg.data.test) if cfg.data.test else []
+    scored = cfg.episodes is not None  # the env scores episodes: no reward columns needed
+    train_rows = load_rows(cfg.data.train, scored)
+    test_rows = load_rows(cfg.data.test, scored) if cfg.data.test else []
     clients = RunClients(cfg, services, algorithms.roles(cfg))
     # Opening them may talk to W&B or purge TensorBoard's files: not on the event loop.
     trackers = await asyncio.to_thread(

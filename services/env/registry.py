@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -93,7 +95,10 @@ def load_plugin(
 def build_registry(
     plugins: Sequence[str], reward_funcs: Sequence[str] = (), weights: Sequence[float] | None = None
 ) -> dict[str, EnvSpec]:
-    """Built-ins, then plugins, by name (TRL classes scored with ``reward_funcs``)."""
+    """Built-ins, then plugins, by name (TRL classes scored with ``reward_funcs``). Plugins may
+    live in modules next to where the service was started (its working folder is searched last)."""
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     specs = {c.name: EnvSpec(c.name, c, f"{c.__module__}:{c.__qualname__}", False) for c in BUILTINS}
     for ref in plugins:
         cls = load_plugin(ref, reward_funcs, weights)

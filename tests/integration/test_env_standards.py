@@ -13,13 +13,16 @@ masked), the learner stepped, and for the episodes the env's tools offered to th
 from __future__ import annotations
 
 import json
+import shutil
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from tests.integration.test_e2e import _records, _relayrl
 
 pytestmark = pytest.mark.slow
+TRL_ENVS = Path(__file__).resolve().parents[1] / "kit" / "trl_envs.py"
 
 COMMON = """
 seed: 0
@@ -46,7 +49,7 @@ TRL = """
 name: trl
 data:
   train: {root}/trl-train.jsonl
-env: {{plugins: ["tests.kit.trl_envs:GuessEnv"], reward_funcs: ["tests.kit.trl_envs:reward_func"]}}
+env: {{plugins: ["my_trl_envs:GuessEnv"], reward_funcs: ["my_trl_envs:reward_func"]}}
 episodes: {{env: guessenv, tool_format: hermes, max_turns: 3, max_episode_tokens: 200, zero_tool_alarm: warn}}
 reward: {{workers: 1}}
 """
@@ -68,7 +71,10 @@ def test_an_environment_of_another_ecosystem_trains_three_steps_from_a_config(
         textwrap.dedent(COMMON.format(model=reverse_assets / "model"))
         + textwrap.dedent(body.format(root=tmp_path))
     )
-    if standard == "trl":  # TRL's dataset: a prompt and the column its env's reset takes
+    if (
+        standard == "trl"
+    ):  # the user's module beside the config; TRL's dataset: a prompt and the column reset takes
+        shutil.copy(TRL_ENVS, tmp_path / "my_trl_envs.py")
         rows = [
             {"data_source": "guess", "prompt": [{"role": "user", "content": "Play."}], "secret": k % 9 + 1}
             for k in range(32)

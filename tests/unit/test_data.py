@@ -421,3 +421,20 @@ def test_importing_the_data_kit_stays_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_rows_an_env_scores_need_no_reward_columns(tmp_path):
+    """TRL's datasets carry a prompt and the columns their env's reset takes: rows of episodes
+    (scored by their env) load as they are; single-turn rows still need their reward columns."""
+    from relayrl.common.data.dataset import DatasetError, check_head, load_rows
+
+    path = tmp_path / "trl.jsonl"
+    path.write_text(json.dumps({"prompt": [{"role": "user", "content": "Play."}], "secret": 7}) + "\n")
+    with pytest.raises(DatasetError, match="'data_source': missing"):
+        load_rows(path)
+    (row,) = load_rows(path, env_scored=True)
+    assert row["secret"] == 7 and row["data_source"] == "env" and row["reward_model"] == {"ground_truth": ""}
+    check_head(path, env_scored=True)
+    with pytest.raises(DatasetError, match="'prompt'"):
+        path.write_text(json.dumps({"secret": 7}) + "\n")
+        load_rows(path, env_scored=True)

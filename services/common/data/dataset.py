@@ -42,10 +42,13 @@ def _type(x: Any) -> str:
     return "null" if x is None else type(x).__name__
 
 
-def validate_row(row: Any, where: str) -> dict[str, Any]:
+def validate_row(row: Any, where: str, env_scored: bool = False) -> dict[str, Any]:
     """Check one row against the schema; return it with ``extra_info`` defaulted to ``{}``.
 
-    ``where`` prefixes every message (e.g. ``"data.parquet: row 3 (0-based)"``).
+    ``where`` prefixes every message (e.g. ``"data.parquet: row 3 (0-based)"``). ``env_scored``:
+    the rows of episodes, which their environment scores: ``data_source`` and ``reward_model`` may
+    be left out (as TRL's datasets do: a prompt and the columns the env's ``reset`` takes), and
+    default to ``"env"`` and an empty ground truth.
 
     >>> good = {"data_source": "x", "prompt": [{"role": "user", "content": "hi"}],
     ...         "reward_model": {"ground_truth": "1"}}
@@ -63,6 +66,8 @@ def validate_row(row: Any, where: str) -> dict[str, Any]:
 
     if not isinstance(row, Mapping):
         raise DatasetError(f"{where}: expected an object with columns, got {_type(row)}")
+    if env_scored:
+        row = {"data_source": "env", "reward_model": {"ground_truth": ""}, **row}
     for col in REQUIRED_COLUMNS:
         if row.get(col) is None:
             raise fail(f"'{col}'", "missing" if col not in row else "is null")
@@ -149,8 +154,9 @@ def _suffix(path: Path) -> str:
     return path.suffix
 
 
-def load_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """All rows of a ``.parquet``, ``.jsonl`` or ``.json`` dataset, each one validated."""
+def load_rows(path: str | os.PathLike[str], env_scored: bool = False) -> list[dict[str, Any]]:
+    """All rows of a ``.parquet``, ``.jsonl`` or ``.json`` dataset, each one validated
+    (``validate_row``'s ``env_scored``)."""
     path = Path(path)
     suffix = _suffix(path)
     if not path.exists():
@@ -162,7 +168,7 @@ def load_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     raw = _READERS[suffix](path)
     if not raw:
         raise DatasetError(f"{path}: no rows")
-    return [validate_row(row, where) for where, row in raw]
+    return [validate_row(row, where, env_scored) for where, row in raw]
 
 
 HEAD_ROWS = 16
@@ -171,7 +177,7 @@ HEAD_BYTES = 4 << 20
 """Most bytes of a JSON dataset ``check_head`` reads (a parquet file: its footer and first rows)."""
 
 
-def check_head(path: str | os.PathLike[str], rows: int = HEAD_ROWS) -> None:
+def check_head(path: str | os.PathLike[str], rows: int = HEAD_ROWS, env_scored: bool = False) -> None:
     """Validate the first ``rows`` rows of a dataset file, reading a bounded part of it: what a
     service checks before it accepts a run that reads the whole file later. DatasetError, as
     from ``load_rows``, for a file that is not a regular file, does not parse or has a bad row."""
@@ -187,17 +193,22 @@ def check_head(path: str | os.PathLike[str], rows: int = HEAD_ROWS) -> None:
             raise DatasetError(f"{path}: not a regular file")
         if st.st_size == 0:
             raise DatasetError(f"{path}: empty file (no rows)")
-        raw = _parquet_head(f, path, rows) if suffix == ".parquet" else _json_head(f, path, rows, st.st_size)
+        raw = (
+            _parquet_head(f, path, rows, env_scored)
+            if suffix == ".parquet"
+            else _json_head(f, path, rows, st.st_size)
+        )
     if not raw:
         raise DatasetError(f"{path}: no rows")
     for where, row in raw:
-        validate_row(row, where)
+        validate_row(row, where, env_scored)
 
 
-def _parquet_head(f: Any, path: Path, rows: int) -> list[tuple[str, Any]]:
+def _parquet_head(f: Any, path: Path, rows: int, env_scored: bool = False) -> list[tuple[str, Any]]:
     try:
         pf = pq.ParquetFile(f)
-        missing = [c for c in REQUIRED_COLUMNS if c not in pf.schema_arrow.names]
+        needed = ("prompt",) if env_scored else REQUIRED_COLUMNS
+        missing = [c for c in needed if c not in pf.schema_arrow.names]
         if missing:
             raise DatasetError(f"{path}: no column {', '.join(map(repr, missing))}")
         batch = next(pf.iter_batches(batch_size=rows), None)

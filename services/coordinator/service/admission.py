@@ -56,7 +56,7 @@ def admit(
     for what, path in (("data.train", cfg.data.train), ("data.test", cfg.data.test)):
         if path and Path(path).exists():
             try:
-                check_head(path)
+                check_head(path, env_scored=cfg.episodes is not None)
             except DatasetError as e:
                 raise InvalidRequest(f"{what}: {e}") from None
     return cfg, resume

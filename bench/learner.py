@@ -228,7 +228,9 @@ def trainer_worker(name: str, model_dir: str, dtype: str, steps: int) -> None:
         out = t.train_step(decode_samples(req, t.vocab_size, t.max_len, cfg), SHAPES[name][3])
         if step > 1:
             times.append(time.perf_counter() - t0)
-        peaks.append(out["peak_memory_mb"] if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        peaks.append(
+            out["peak_memory_mb"] if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        )
     print(json.dumps({"step_s": statistics.median(times), "peak_mb": max(peaks)}))
 
 

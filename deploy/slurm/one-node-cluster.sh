@@ -9,6 +9,8 @@
 #
 # Job completions go to DIR/jobcomp.txt (jobcomp/filetxt: a job's final state without slurmdbd).
 # KillWait is 60 s: scancel's SIGTERM, then 60 s before SIGKILL (relayrl's services linger 25 s).
+# cred_expire is 20 s: a requeued job waits out its old credential's lifetime before it may start
+# again (Slurm's default 120 s); on one node with nothing to page in, 20 s is ample for a step's start.
 set -euo pipefail
 cmd=${1:-}
 dir=${2:-}
@@ -60,7 +62,7 @@ SlurmdPort=$(free_port)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket=$dir/munge-socket/socket
+AuthInfo=socket=$dir/munge-socket/socket,cred_expire=20
 CredType=cred/munge
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool

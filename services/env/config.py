@@ -10,6 +10,24 @@ from relayrl.common.sandbox.limits import SandboxConfig
 from relayrl.common.serving import ServeConfig
 
 
+class OpenEnvServer(StrictModel):
+    """An OpenEnv environment served by its own server (``openenv``: a container, an HF Space,
+    ``uvicorn server.app:app``), played over its WebSocket protocol, one session per episode."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+    """The env's name here: what ``episodes.env`` names."""
+    url: str = Field(..., pattern=r"^https?://[^\s]+$", max_length=512)
+    """The server's base URL (its ``/schema`` and ``/ws`` hang off it), e.g.
+    ``http://127.0.0.1:8000``."""
+    max_turns: int = Field(8, ge=1, le=10_000)
+    """Most assistant turns in an episode."""
+    description: str = Field("", max_length=1000)
+    """What the model's one tool (the env's Action) does; empty: the Action class's docstring."""
+    connect_timeout_seconds: float = Field(30.0, gt=0, le=600)
+    """Longest wait for the server's schema at start, a session's opening and its reset. A step
+    waits at most ``tool_timeout_seconds``."""
+
+
 class EnvConfig(StrictModel):
     """One environment replica."""
 
@@ -27,6 +45,9 @@ class EnvConfig(StrictModel):
     reward_weights: list[float] | None = None
     """Weights of ``reward_funcs`` (TRL's ``GRPOConfig.reward_weights``); None: 1 each. A class's
     own ``get_reward`` counts with weight 1."""
+    openenv: list[OpenEnvServer] = Field(default_factory=list)
+    """OpenEnv environments, each on its own server: the replica reads each one's Action schema at
+    start (and refuses to start while one does not answer)."""
     max_sessions: int = Field(1024, ge=1, le=1_000_000)
     """Most sessions open at once; a Reset past it is RESOURCE_EXHAUSTED (retry later or
     elsewhere)."""
@@ -68,6 +89,9 @@ class EnvConfig(StrictModel):
 
     @model_validator(mode="after")
     def _weights(self) -> EnvConfig:
+        names = [o.name for o in self.openenv]
+        if len(set(names)) != len(names):
+            raise ValueError(f"openenv: names must differ, got {names}")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ValueError(
                 f"reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward_funcs"

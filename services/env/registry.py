@@ -13,11 +13,13 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from relayrl.env.adapters import is_trl_style, trl_env
-from relayrl.env.base import Env
+from relayrl.env.base import Env, EnvUnavailable
 from relayrl.env.calc import CalcEnv
 from relayrl.env.guess import GuessEnv
+from relayrl.env.openenv import openenv_env
 
 BUILTINS: tuple[type[Env], ...] = (CalcEnv, GuessEnv)
 ON_REQUEST = {
@@ -93,10 +95,14 @@ def load_plugin(
 
 
 def build_registry(
-    plugins: Sequence[str], reward_funcs: Sequence[str] = (), weights: Sequence[float] | None = None
+    plugins: Sequence[str],
+    reward_funcs: Sequence[str] = (),
+    weights: Sequence[float] | None = None,
+    openenv: Sequence[Any] = (),
 ) -> dict[str, EnvSpec]:
-    """Built-ins, then plugins, by name (TRL classes scored with ``reward_funcs``). Plugins may
-    live in modules next to where the service was started (its working folder is searched last)."""
+    """Built-ins, then plugins, then OpenEnv servers (``EnvConfig.openenv``), by name (TRL classes
+    scored with ``reward_funcs``). Plugins may live in modules next to where the service was
+    started (its working folder is searched last)."""
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     specs = {c.name: EnvSpec(c.name, c, f"{c.__module__}:{c.__qualname__}", False) for c in BUILTINS}
@@ -106,4 +112,22 @@ def build_registry(
         if prev is not None and prev.from_plugin:
             raise PluginError(f"plugin {ref}: env {cls.name!r} is already served by {prev.origin}")
         specs[cls.name] = EnvSpec(cls.name, cls, ref, True)
+    for server in openenv:
+        try:
+            cls = _checked(
+                openenv_env(
+                    server.name,
+                    server.url,
+                    server.max_turns,
+                    server.description,
+                    server.connect_timeout_seconds,
+                ),
+                server.url,
+            )
+        except EnvUnavailable as e:
+            raise PluginError(f"openenv {server.name}: {e}") from None
+        prev = specs.get(cls.name)
+        if prev is not None and prev.from_plugin:
+            raise PluginError(f"openenv {server.name}: env {cls.name!r} is already served by {prev.origin}")
+        specs[cls.name] = EnvSpec(cls.name, cls, server.url, True)
     return dict(sorted(specs.items()))

@@ -14,8 +14,9 @@ The episode: ``reset(seed, episode_id, **row)`` (the server passes on the keywor
 one tool whose arguments are the env's Action (its JSON schema from the server's ``/schema``,
 named after the Action class: ``GuessAction`` -> ``guess``); each call is one ``step``, its
 observation the tool's answer. The episode ends when an observation says ``done``, or at a turn
-without tool calls. Its reward is the sum of the rewards the observations carried; one that
-carried none is masked (``no_reward``), never scored 0. An Action the server refuses
+without tool calls. Its reward is the sum of the rewards its observations carried, the reset's
+included (a model that gives up at once scores what the env says of that); an episode whose
+observations carried none is masked (``no_reward``), never scored 0. An Action the server refuses
 (``VALIDATION_ERROR``) or a step that raises (``EXECUTION_ERROR``) is answered to the model as a
 tool error and the episode goes on; a server that cannot be reached, is full or breaks the
 session is the env's failure: the episode is redone, never scored.
@@ -73,7 +74,12 @@ def tool_name(schema: dict) -> str:
 def action_tool(schema: dict, description: str = "") -> dict:
     """The OpenAI function schema of an Action's JSON schema: its fields but ``metadata``."""
     params = {k: v for k, v in schema.items() if k not in ("title", "description")}
-    props = {k: v for k, v in (schema.get("properties") or {}).items() if k != "metadata"}
+    # pydantic titles every field ("number" -> "Number"): tokens in every prompt, no meaning.
+    props = {
+        k: {a: b for a, b in v.items() if a != "title"} if isinstance(v, dict) else v
+        for k, v in (schema.get("properties") or {}).items()
+        if k != "metadata"
+    }
     params.update(type="object", properties=props)
     params["required"] = [r for r in schema.get("required") or [] if r in props]
     text = (
@@ -201,8 +207,7 @@ class OpenEnvEnv(Env):
             raise EnvUnavailable(
                 f"OpenEnv server {self.url}: reset failed: {first['error']}: {first['message']}"[:500]
             )
-        self._observe(first)
-        self.rewards.clear()  # a reset's reward is no act of the model's
+        self._observe(first)  # its reward counts: an episode the model ends at once scores it
         text = render(first)
         if text and messages[-1]["role"] == "user":
             messages[-1] = {**messages[-1], "content": messages[-1]["content"] + "\n\n" + text}

@@ -5,13 +5,16 @@
   ``score_answer`` through the reward plugin ``relayrl.reward.gym:score``;
 - TRL's environment class as its docs write it (``tests/kit/trl_envs.py``: ``GuessEnv``, a tool per
   action, a reward function that receives the environments), named in ``env.plugins`` and
-  ``env.reward_funcs``.
+  ``env.reward_funcs``;
+- an OpenEnv environment on its own server (``tests/kit/openenv_guess.py``, OpenEnv's
+  ``create_app`` under uvicorn), named by URL in ``env.openenv``.
 
 Each run trains 3 steps: every step is recorded with its groups scored (no reward error, nothing
 masked), the learner stepped, and for the episodes the env's tools offered to the model."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import textwrap
@@ -34,7 +37,7 @@ algorithm: {{advantage: reinforce_pp}}
 schedule: {{steps: 3, prompts_per_step: 4, max_staleness: 0, eval_every: 0, checkpoint_every: 0}}
 services: {{deadline_seconds: 120}}
 learner: {{world_size: 1, optim: {{lr: 1.0e-4}}}}
-generator: {{engine: {{dtype: float32, max_model_len: 512, kv_cache_gib: 0.25}}}}
+generator: {{engine: {{dtype: float32, max_model_len: {max_len}, kv_cache_gib: 0.25}}}}
 """
 
 GYM = """
@@ -55,38 +58,59 @@ reward: {{workers: 1}}
 """
 
 
+OPENENV = """
+name: openenv
+data:
+  train: {root}/openenv-train.jsonl
+env: {{openenv: [{{name: guess-openenv, url: "{url}", max_turns: 3}}]}}
+episodes: {{env: guess-openenv, tool_format: hermes, max_turns: 3, max_episode_tokens: 200, zero_tool_alarm: warn}}
+reward: {{workers: 1}}
+"""
+
+
 def _steps(root, name):
     run_dir = next((root / "runs").glob(f"{name}-*"))
     return [r for r in _records(run_dir) if "reward_mean" in r]
 
 
-@pytest.mark.parametrize("standard", ["reasoning-gym", "trl"])
+@pytest.mark.parametrize("standard", ["reasoning-gym", "trl", "openenv"])
 def test_an_environment_of_another_ecosystem_trains_three_steps_from_a_config(
     standard, tmp_path, reverse_assets
 ):
     pytest.importorskip("reasoning_gym")
-    body = GYM if standard == "reasoning-gym" else TRL
-    exp = tmp_path / "exp.yaml"
-    exp.write_text(
-        textwrap.dedent(COMMON.format(model=reverse_assets / "model"))
-        + textwrap.dedent(body.format(root=tmp_path))
-    )
-    if (
-        standard == "trl"
-    ):  # the user's module beside the config; TRL's dataset: a prompt and the column reset takes
-        shutil.copy(TRL_ENVS, tmp_path / "my_trl_envs.py")
-        rows = [
-            {"data_source": "guess", "prompt": [{"role": "user", "content": "Play."}], "secret": k % 9 + 1}
-            for k in range(32)
-        ]
-        (tmp_path / "trl-train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    res = _relayrl("run", str(exp), cwd=tmp_path)
+    from tests.kit.openenv_guess import GuessEnvironment, serve
+
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(serve()) if standard == "openenv" else ""
+        body = {"reasoning-gym": GYM, "trl": TRL, "openenv": OPENENV}[standard]
+        exp = tmp_path / "exp.yaml"
+        exp.write_text(
+            # an Action's JSON schema in the system prompt: longer than the other envs' tools
+            textwrap.dedent(COMMON.format(model=reverse_assets / "model", max_len=1024 if url else 512))
+            + textwrap.dedent(body.format(root=tmp_path, url=url))
+        )
+        if standard == "trl":  # the user's module beside the config
+            shutil.copy(TRL_ENVS, tmp_path / "my_trl_envs.py")
+        if standard in ("trl", "openenv"):  # the dataset: a prompt and the column reset takes
+            rows = [
+                {
+                    "data_source": "guess",
+                    "prompt": [{"role": "user", "content": "Play."}],
+                    "secret": k % 9 + 1,
+                }
+                for k in range(32)
+            ]
+            (tmp_path / f"{standard}-train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        begun = GuessEnvironment.resets
+        res = _relayrl("run", str(exp), cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    steps = _steps(tmp_path, "gym" if standard == "reasoning-gym" else "trl")
+    steps = _steps(tmp_path, {"reasoning-gym": "gym"}.get(standard, standard))
     assert [r["step"] for r in steps] == [1, 2, 3]
     for r in steps:
         assert r["groups"] == 4 and r["reward_errors"] == 0 and r.get("env_masked", 0) == 0, r
         assert r["train_tokens"] > 0 and "loss" in r, r
+    if standard == "openenv":  # every episode a session on the server: 3 steps x 4 prompts x n 4
+        assert GuessEnvironment.resets - begun == 48
     if standard == "reasoning-gym":
         rows = [json.loads(x) for x in (tmp_path / "gym-train.jsonl").read_text().splitlines()]
         assert len(rows) == 64 and rows[0]["data_source"] == "reasoning_gym/leg_counting"

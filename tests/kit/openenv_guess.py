@@ -34,6 +34,7 @@ class GuessObservation(Observation):
 
 class GuessEnvironment(Environment):
     SUPPORTS_CONCURRENT_SESSIONS = True
+    resets = 0  # episodes begun on this server (the tests count them)
 
     def __init__(self) -> None:
         super().__init__()
@@ -41,6 +42,7 @@ class GuessEnvironment(Environment):
 
     def reset(self, seed=None, episode_id=None, secret=None, silent=False, boom=False, **kwargs):
         self._state = State(episode_id=episode_id or str(uuid.uuid4()), step_count=0)
+        GuessEnvironment.resets += 1
         self.secret = int(secret) if secret is not None else random.Random(seed).randint(1, 9)
         self.silent, self.boom = bool(silent), bool(boom)
         return GuessObservation(feedback="Guess my number (1-9).", reward=None if silent else 0.0)

@@ -75,9 +75,9 @@ def test_calls_the_model_got_wrong_are_answered_without_a_step(guess):
         out, done, results = env.step(call("guess", "[4]", 2))
         assert results[0].status == ToolStatus.INVALID_ARGS
         assert env.steps == 0 and not done
-        # A turn without calls ends the episode: no reward was given, so it is masked, not 0.
+        # A turn without calls ends the episode, scored what the env said of it (the reset's 0).
         assert env.step(Action("I give up.")) == ([], True, [])
-        assert env.reward().outcome == Outcome.MASK and env.reward().failure_kind == "no_reward"
+        assert env.reward() == (0.0, {"openenv": 0.0, "env_steps": 0.0}, Outcome.OK, "", "")
     finally:
         env.close()
 

@@ -13,7 +13,7 @@ import shutil
 import subprocess
 import sys
 import types
-from typing import get_args
+from typing import get_args, get_origin
 
 import pytest
 import torch
@@ -108,6 +108,8 @@ def fields(model: type[BaseModel], prefix: str = ""):
     """(dotted path, field) of every field that is not a section, read here from the model alone."""
     for name, f in model.model_fields.items():
         types_ = (f.annotation, *get_args(f.annotation))
+        if get_origin(f.annotation) in (list, tuple, dict):  # a list of models is one (JSON) flag
+            types_ = ()
         inner = [t for t in types_ if isinstance(t, type) and issubclass(t, BaseModel)]
         if inner:
             yield from fields(inner[0], f"{prefix}{name}.")

@@ -3,7 +3,7 @@ played over OpenEnv's own WebSocket protocol: one session (``/ws``) per episode.
 
 Why a server and not the class in this process: OpenEnv runs an env as a server (a container, an
 HF Space, ``uvicorn server.app:app``), and its packages cannot share an environment with the
-generator's (openenv >= 0.2.3 needs fastmcp 3, which needs mcp < 2; vLLM 0.32 needs mcp >= 2). The
+generator's (openenv 0.10 pins fastmcp 3, which needs mcp < 2; vLLM 0.32 needs mcp >= 2). The
 env service needs no ``openenv`` package at all: it speaks the wire protocol, which every release
 since 0.2.0 serves (``{"type": "reset" | "step" | "state" | "close", "data": ...}`` in,
 ``{"type": "observation", "data": {"observation", "reward", "done"}}`` or ``{"type": "error"}``

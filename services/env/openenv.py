@@ -248,7 +248,9 @@ class OpenEnvEnv(Env):
                         self.steps += 1
                         self._observe(data)
                         content = render(data) or "(no observation)"
-            content = content[: self.limits.max_tool_output_chars]
+            if len(content) > self.limits.max_tool_output_chars:
+                content = content[: self.limits.max_tool_output_chars]
+                status = ToolStatus.OUTPUT_TRUNCATED if status == ToolStatus.OK else status
             messages.append({"role": "tool", "content": content, "tool_call_id": call.id, "name": call.name})
             results.append(ToolResult(call.id, call.name, status))
         return messages, self.over, results

@@ -94,6 +94,17 @@ def test_a_step_that_raises_in_the_env_is_answered_and_the_episode_goes_on(guess
         env.close()
 
 
+def test_a_long_observation_is_cut_to_the_limit_and_says_so(guess):
+    env = guess()
+    env.limits = Limits(max_tool_output_chars=4)
+    try:
+        env.reset({"prompt": "Play.", "secret": 3}, seed=0)
+        out, _, results = env.step(call("guess", '{"number": 1}'))
+        assert out[0]["content"] == "High" and results[0].status == ToolStatus.OUTPUT_TRUNCATED
+    finally:
+        env.close()
+
+
 def test_an_episode_whose_observations_carry_no_reward_is_masked(guess):
     env = guess()
     try:

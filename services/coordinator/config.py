@@ -269,6 +269,12 @@ class ScheduleSection(StrictModel):
     """Completions per held-out prompt; more than 1 needs ``eval_temperature`` above 0."""
     checkpoint_every: int = Field(50, ge=0)
     """Checkpoint every this many steps; 0 only at the end."""
+    no_signal_steps: int = Field(5, ge=1, le=10_000)
+    """Training steps in a row that train on no sample (every group's rewards equal, or every
+    episode masked) that trip the no-signal alarm."""
+    no_signal_alarm: Literal["warn", "fail"] = "warn"
+    """What the no-signal alarm does: a warning in the log and ``alarm_no_signal`` 1 in the
+    metrics, or the run fails (a collapsed policy, a reward that never varies)."""
 
     @property
     def eval_label(self) -> str:

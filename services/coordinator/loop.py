@@ -37,6 +37,7 @@ from relayrl.coordinator.algorithms.rewards import reward_stats, scored
 from relayrl.coordinator.clients.generators import GeneratorPool
 from relayrl.coordinator.clients.learner import LearnerClient
 from relayrl.coordinator.config import ExperimentConfig
+from relayrl.coordinator.records.alarms import NoSignalAlarm
 from relayrl.coordinator.rollout.base import RolloutSource
 from relayrl.learner.v1 import learner_pb2 as lp
 from relayrl.reward.v1 import reward_pb2 as rw
@@ -110,6 +111,7 @@ class Experiment:
         self.weights_lock = weights_lock or asyncio.Lock()
         self.deadline = cfg.services.deadline_seconds
         self.records: list[dict] = []
+        self.no_signal = NoSignalAlarm(cfg.schedule.no_signal_steps, cfg.schedule.no_signal_alarm)
 
     # -- data ------------------------------------------------------------------------------
     def _order(self, epoch: int) -> list[int]:
@@ -358,6 +360,7 @@ class Experiment:
             "time_train": t1 - t0,
             "time_sync": sync,
             "time_idle": idle,
+            **self.no_signal.observe(len(tb.actor), reward.get("reward_mean")),
         }
         if sched.eval_every and (self.pos.step % sched.eval_every == 0 or self.pos.step == sched.steps):
             ev = await self.evaluate_alone(self.inflight)

@@ -151,18 +151,27 @@ MAX_COORDINATOR_FLOORS = 12
 was one flat hall of 31 modules (issue 41), 12 in rooms."""
 ROOMS = {
     "clients": {"config", "errors"},
-    "records": {"config"},
+    "records": {"config", "errors"},
     "launch": {"config"},
     "rollout": {"config", "errors", "clients"},
     "algorithms": {"config", "errors", "clients", "rollout.base"},
     "service": {"config", "errors", "assets", "derive", "drive", "metrics", "launch", "records"},
-    "loop": {"config", "errors", "clients", "rollout.base", "algorithms.base", "algorithms.rewards"},
+    "loop": {
+        "config",
+        "errors",
+        "clients",
+        "rollout.base",
+        "algorithms.base",
+        "algorithms.rewards",
+        "records.alarms",
+    },
 }
 """What of the coordinator a room (or a top-level module) may import besides itself: clients and
-records import no other room; launchers place services and know nothing of the run; rollout
+records import no other room (an alarm's failure is a ``RunFailure`` of ``errors``); launchers place services and know nothing of the run; rollout
 sources talk through the clients and import no launcher, no record and no algorithm; the
 algorithm families see only the rollout's contract; the loop knows the seams (``rollout.base``,
-``algorithms.base``), never a rollout source or an algorithm family."""
+``algorithms.base``) and the run's alarms (``records.alarms``), never a rollout source or an
+algorithm family."""
 
 
 def coordinator_graph() -> dict[str, set[str]]:

@@ -190,3 +190,35 @@ async def test_a_failed_call_names_the_service_and_the_call():
         await critic.close()
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     assert describe(e.value).startswith(f"critic ({address}) TrainStep: UNAVAILABLE: ")
+
+
+class _EqualRewards:
+    """Every completion scored 0: every group's rewards equal, nothing to learn from."""
+
+    async def score(self, items, request_id):
+        from relayrl.reward.v1 import reward_pb2 as rw
+
+        return [rw.RewardResult(sample_id=x.sample_id, status=rw.SCORE_STATUS_OK, reward=0.0) for x in items]
+
+
+async def test_steps_that_train_nothing_raise_the_no_signal_alarm(tmp_path, caplog):
+    """A collapsed policy (every answer wrong) leaves GRPO nothing to train on: the run says so
+    after ``no_signal_steps`` such steps, in the log and the metrics, or fails if told to."""
+    from relayrl.coordinator.records.alarms import NoTrainingSignal
+
+    learning = _experiment(tmp_path / "learning", steps=3, checkpoint_every=0, no_signal_steps=1)
+    await learning.run()
+    assert [r["alarm_no_signal"] for r in learning.records if "reward_mean" in r] == [0, 0, 0]
+    exp = _experiment(tmp_path / "equal", steps=4, checkpoint_every=0, no_signal_steps=3)
+    exp.rollouts = SingleTurn(exp.cfg, exp.gen, _EqualRewards())
+    await exp.run()
+    steps = [r for r in exp.records if "reward_mean" in r]
+    assert [r["train_samples"] for r in steps] == [0, 0, 0, 0]
+    assert [r["alarm_no_signal"] for r in steps] == [0, 0, 1, 1]
+    assert "ALARM: no sample trained in 3 training steps in a row (reward_mean 0.000)" in caplog.text
+    failing = _experiment(
+        tmp_path / "fail", steps=4, checkpoint_every=0, no_signal_steps=2, no_signal_alarm="fail"
+    )
+    failing.rollouts = SingleTurn(failing.cfg, failing.gen, _EqualRewards())
+    with pytest.raises(NoTrainingSignal, match="no sample trained in 2 training steps"):
+        await failing.run()

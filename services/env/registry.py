@@ -13,11 +13,11 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from relayrl.env.adapters import is_trl_style, trl_env
 from relayrl.env.base import Env, EnvUnavailable
 from relayrl.env.calc import CalcEnv
+from relayrl.env.config import OpenEnvServer
 from relayrl.env.guess import GuessEnv
 from relayrl.env.openenv import openenv_env
 
@@ -98,7 +98,7 @@ def build_registry(
     plugins: Sequence[str],
     reward_funcs: Sequence[str] = (),
     weights: Sequence[float] | None = None,
-    openenv: Sequence[Any] = (),
+    openenv: Sequence[OpenEnvServer] = (),
 ) -> dict[str, EnvSpec]:
     """Built-ins, then plugins, then OpenEnv servers (``EnvConfig.openenv``), by name (TRL classes
     scored with ``reward_funcs``). Plugins may live in modules next to where the service was

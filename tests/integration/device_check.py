@@ -96,24 +96,17 @@ def receiver(addr: str, port: int, plans: list, backend: str, out: mp.Queue) -> 
 
 
 def main(model: str, backend: str) -> None:
-    from relayrl.learner.rank import init_distributed
-
-    init_distributed()
-    run(model, backend)
-    dist.destroy_process_group()
-
-
-def run(model: str, backend: str = "gloo") -> None:
-    """The check, in a process group already joined."""
     from relayrl.common.weightsync.group import open_group
     from relayrl.common.weightsync.plan import plan_buckets
     from relayrl.learner.config import LearnerConfig
     from relayrl.learner.control import Control
     from relayrl.learner.core import LearnerCore
     from relayrl.learner.push import Sinks, WeightGroup
+    from relayrl.learner.rank import init_distributed
     from relayrl.learner.trainer import Trainer
     from relayrl.learner.v1 import learner_pb2 as lp
 
+    init_distributed()
     rank = dist.get_rank()
     trainer = Trainer(LearnerConfig(model=model, world_size=dist.get_world_size(), micro_batch_tokens=64))
     core = LearnerCore(trainer, Control())
@@ -180,6 +173,7 @@ def run(model: str, backend: str = "gloo") -> None:
         flush=True,
     )
     dist.barrier(group=core.control.group)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

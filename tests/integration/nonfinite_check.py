@@ -14,41 +14,37 @@ from relayrl.learner.config import LearnerConfig
 from relayrl.learner.rank import init_distributed
 from relayrl.learner.trainer import Sample, Trainer
 
+init_distributed()
+trainer = Trainer(LearnerConfig(model=sys.argv[1], world_size=dist.get_world_size()))
 
-def check(model: str) -> None:
-    trainer = Trainer(LearnerConfig(model=model, world_size=dist.get_world_size()))
 
-    def local_state() -> torch.Tensor:
-        """This rank's weight partitions and optimizer moments, flattened."""
-        parts = [p.ds_tensor.detach().clone().float().reshape(-1) for p in trainer.engine.module.parameters()]
-        for group in trainer.engine.optimizer.fp32_partitioned_groups_flat:
-            st = trainer.engine.optimizer.optimizer.state.get(group, {})
-            parts += [
-                v.detach().clone().float().reshape(-1) for v in st.values() if torch.is_tensor(v) and v.dim()
-            ]
-        return torch.cat(parts)
-
-    def samples(advantage: float) -> list[Sample]:
-        return [
-            Sample([5, 6, 7], [8, 9, 10, 11], [-2.0] * 4, advantage * (1 if i % 2 else -1), [])
-            for i in range(4)
+def local_state() -> torch.Tensor:
+    """This rank's weight partitions and optimizer moments, flattened."""
+    parts = [p.ds_tensor.detach().clone().float().reshape(-1) for p in trainer.engine.module.parameters()]
+    for group in trainer.engine.optimizer.fp32_partitioned_groups_flat:
+        st = trainer.engine.optimizer.optimizer.state.get(group, {})
+        parts += [
+            v.detach().clone().float().reshape(-1) for v in st.values() if torch.is_tensor(v) and v.dim()
         ]
-
-    first = trainer.train_step(samples(1.0), 4)  # a real step: the optimizer has moments now
-    assert first["applied"] and trainer.step == 1, first
-    before, lr_before = local_state(), trainer.engine.lr()
-    bad = trainer.train_step(samples(float("inf")), 4)
-    assert not bad["applied"] and not torch.isfinite(torch.tensor(bad["grad_norm"])), bad
-    assert (trainer.step, trainer.version) == (1, 1)
-    assert torch.equal(local_state(), before), "a skipped step changed weights or optimizer state"
-    assert trainer.engine.lr() == lr_before
-    good = trainer.train_step(samples(1.0), 4)
-    assert good["applied"] and trainer.step == 2 and not torch.equal(local_state(), before)
-    print(f"rank {dist.get_rank()}: non-finite step skipped, state unchanged", flush=True)
-    dist.barrier()
+    return torch.cat(parts)
 
 
-if __name__ == "__main__":
-    init_distributed()
-    check(sys.argv[1])
-    dist.destroy_process_group()
+def samples(advantage: float) -> list[Sample]:
+    return [
+        Sample([5, 6, 7], [8, 9, 10, 11], [-2.0] * 4, advantage * (1 if i % 2 else -1), []) for i in range(4)
+    ]
+
+
+first = trainer.train_step(samples(1.0), 4)  # a real step: the optimizer has moments now
+assert first["applied"] and trainer.step == 1, first
+before, lr_before = local_state(), trainer.engine.lr()
+bad = trainer.train_step(samples(float("inf")), 4)
+assert not bad["applied"] and not torch.isfinite(torch.tensor(bad["grad_norm"])), bad
+assert (trainer.step, trainer.version) == (1, 1)
+assert torch.equal(local_state(), before), "a skipped step changed weights or optimizer state"
+assert trainer.engine.lr() == lr_before
+good = trainer.train_step(samples(1.0), 4)
+assert good["applied"] and trainer.step == 2 and not torch.equal(local_state(), before)
+print(f"rank {dist.get_rank()}: non-finite step skipped, state unchanged", flush=True)
+dist.barrier()
+dist.destroy_process_group()

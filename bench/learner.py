@@ -177,28 +177,27 @@ def run_relayrl(
     }
 
 
-def run_torch(name: str, model: Path, dtype: str, steps: int) -> dict:
-    """The baseline, in its own process (its memory is its own)."""
+def _worker(flag: str, what: str, name: str, model: Path, dtype: str, steps: int) -> dict:
+    """This script's ``flag`` worker in a process of its own (its memory is its own); its result."""
     out = subprocess.run(
-        [sys.executable, __file__, "--torch-worker", name, str(model), dtype, str(steps)],
+        [sys.executable, __file__, flag, name, str(model), dtype, str(steps)],
         capture_output=True, text=True, timeout=7200, check=False,
     )  # fmt: skip
     if out.returncode:
-        raise SystemExit(f"plain PyTorch run failed:\n{out.stderr[-4000:]}")
+        raise SystemExit(f"{what} run failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_torch(name: str, model: Path, dtype: str, steps: int) -> dict:
+    """The baseline, in its own process."""
+    return _worker("--torch-worker", "plain PyTorch", name, model, dtype, steps)
 
 
 def run_trainer(name: str, model: Path, dtype: str, steps: int) -> dict:
     """relayrl's trainer (the one-rank engine the service runs) alone, in its own process: no
     gRPC server, no service threads. Its peak RSS against the plain loop's tells the training's
     own memory from what serving adds (the gRPC library, its threads and their heap arenas)."""
-    out = subprocess.run(
-        [sys.executable, __file__, "--trainer-worker", name, str(model), dtype, str(steps)],
-        capture_output=True, text=True, timeout=7200, check=False,
-    )  # fmt: skip
-    if out.returncode:
-        raise SystemExit(f"in-process trainer run failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return _worker("--trainer-worker", "in-process trainer", name, model, dtype, steps)
 
 
 def trainer_worker(name: str, model_dir: str, dtype: str, steps: int) -> None:

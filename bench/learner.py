@@ -21,6 +21,13 @@ serves gRPC) with the plain loop's process; ``learner_trainer_peak_vs_torch_rati
 same trainer run alone in a process of its own, which tells what training holds from what serving
 adds: a constant of a few tens of MiB (the gRPC library's pages, its threads and their heap
 arenas), whatever the model's size. On CUDA both are the allocator's peak during a step.
+"tensors MiB" (CPU) is the CPU's counterpart of that allocator peak (``tensor_peak_mb``): tensor
+bytes only, weights and optimizer state included. ``learner_tensor_peak_vs_torch_ratio`` compares
+the trainer as the service runs it (``packing: auto``, packed for Qwen2) with the plain loop;
+``learner_padded_tensor_peak_vs_torch_ratio`` the same trainer padded, as the plain loop runs. On
+equal-length samples packing saves no padding, and on CPU it holds one more copy of each layer's
+attention output (``attention.py`` runs one SDPA per sample and concatenates; a GPU's varlen
+kernel writes one output).
 
 Packed against padded micro-batches (``learner.packing``): the ``--skewed`` workload (completion
 lengths drawn from a long-tailed mix, as RL completions are: most short, a few near the limit) runs
@@ -177,10 +184,10 @@ def run_relayrl(
     }
 
 
-def _worker(flag: str, what: str, name: str, model: Path, dtype: str, steps: int) -> dict:
+def _worker(flag: str, what: str, name: str, model: Path, dtype: str, steps: int, packing: str = "auto") -> dict:
     """This script's ``flag`` worker in a process of its own (its memory is its own); its result."""
     out = subprocess.run(
-        [sys.executable, __file__, flag, name, str(model), dtype, str(steps)],
+        [sys.executable, __file__, flag, name, str(model), dtype, str(steps), packing],
         capture_output=True, text=True, timeout=7200, check=False,
     )  # fmt: skip
     if out.returncode:
@@ -193,14 +200,44 @@ def run_torch(name: str, model: Path, dtype: str, steps: int) -> dict:
     return _worker("--torch-worker", "plain PyTorch", name, model, dtype, steps)
 
 
-def run_trainer(name: str, model: Path, dtype: str, steps: int) -> dict:
+def run_trainer(name: str, model: Path, dtype: str, steps: int, packing: str = "auto") -> dict:
     """relayrl's trainer (the one-rank engine the service runs) alone, in its own process: no
     gRPC server, no service threads. Its peak RSS against the plain loop's tells the training's
     own memory from what serving adds (the gRPC library, its threads and their heap arenas)."""
-    return _worker("--trainer-worker", "in-process trainer", name, model, dtype, steps)
+    return _worker("--trainer-worker", "in-process trainer", name, model, dtype, steps, packing)
 
 
-def trainer_worker(name: str, model_dir: str, dtype: str, steps: int) -> None:
+def tensor_peak_mb(step) -> float:
+    """On CPU, what the CUDA allocator's peak measures on a GPU: the most tensor memory live
+    during one ``step()``, in MiB. The tensors live before it (weights, optimizer state), found
+    by walking the objects the interpreter tracks (one count per storage), plus the highest the
+    CPU allocator's total went above that during the step (torch's profiler with
+    ``profile_memory``: it counts the allocations made while it runs). Libraries' pages, heap
+    arenas and threads are left out: on a GPU they are host memory, not the device's."""
+    import gc
+
+    import torch
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    storages = {}
+    for obj in gc.get_objects():
+        # type(), not isinstance(): some objects warn when their __class__ is read
+        if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    above, events = 0, list(prof.profiler.kineto_results.experimental_event_tree())
+    while events:
+        e = events.pop()
+        events.extend(e.children)
+        if e.tag == _EventType.Allocation:
+            above = max(above, e.extra_fields.total_allocated)
+    return (sum(storages.values()) + above) / 2**20
+
+
+def trainer_worker(name: str, model_dir: str, dtype: str, steps: int, packing: str) -> None:
     import resource
     import socket
 
@@ -217,24 +254,32 @@ def trainer_worker(name: str, model_dir: str, dtype: str, steps: int) -> None:
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
     )
     init_distributed(with_deepspeed=ONE_RANK_STAGE != 0)
-    cfg = LearnerConfig(model=model_dir, dtype=dtype, micro_batch_tokens=SHAPES[name][4])
+    cfg = LearnerConfig(model=model_dir, dtype=dtype, micro_batch_tokens=SHAPES[name][4], packing=packing)
     t = Trainer(cfg)
     cuda = t.device.type == "cuda"
+
+    def one(step: int) -> dict:
+        req = lp.TrainStepRequest(samples=samples(name, step))
+        return t.train_step(decode_samples(req, t.vocab_size, t.max_len, cfg), SHAPES[name][3])
+
     times, peaks = [], []
     for step in range(1, steps + 2):
-        req = lp.TrainStepRequest(samples=samples(name, step))
         t0 = time.perf_counter()
-        out = t.train_step(decode_samples(req, t.vocab_size, t.max_len, cfg), SHAPES[name][3])
+        out = one(step)
         if step > 1:
             times.append(time.perf_counter() - t0)
         peaks.append(
             out["peak_memory_mb"] if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         )
-    print(json.dumps({"step_s": statistics.median(times), "peak_mb": max(peaks)}))
+    res = {"step_s": statistics.median(times), "peak_mb": max(peaks)}
+    if not cuda:  # after the timed steps: the profiler slows the step it watches
+        res["tensor_peak_mb"] = tensor_peak_mb(lambda: one(steps + 2))
+    print(json.dumps(res))
 
 
-def torch_worker(name: str, model_dir: str, dtype: str, steps: int) -> None:
-    """Plain PyTorch: HF model, AdamW, same micro-batches and loss, full-vocabulary logits."""
+def torch_worker(name: str, model_dir: str, dtype: str, steps: int, packing: str) -> None:
+    """Plain PyTorch: HF model, AdamW, same micro-batches and loss, full-vocabulary logits;
+    always padded (``packing`` is the workers' common signature), as a user's loop pads."""
     import resource
 
     import torch
@@ -260,7 +305,10 @@ def torch_worker(name: str, model_dir: str, dtype: str, steps: int) -> None:
             peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         if step > 1:
             times.append(time.perf_counter() - t0)
-    print(json.dumps({"step_s": statistics.median(times), "peak_mb": max(peaks)}))
+    res = {"step_s": statistics.median(times), "peak_mb": max(peaks)}
+    if not cuda:
+        res["tensor_peak_mb"] = tensor_peak_mb(lambda: step_fn(samples(name, steps + 2)))
+    print(json.dumps(res))
 
 
 def torch_step(name: str, model, dev):
@@ -398,7 +446,7 @@ def count_main(names: list[str]) -> list[tuple[str, str, int, int]]:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in ("--torch-worker", "--trainer-worker"):
         worker = torch_worker if sys.argv[1] == "--torch-worker" else trainer_worker
-        return worker(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+        return worker(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6])
     import torch
 
     cuda = torch.cuda.is_available()
@@ -445,14 +493,15 @@ def main() -> None:
     dtype = "bfloat16" if cuda else "float32"
     device = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device), None) if cuda else None
-    rows, ratio, packed_ratio, mem = [], None, None, None
+    rows, ratio, packed_ratio, mem, tensors = [], None, None, None, None
     stages = [int(s) for s in args.stages.split(",")]
 
     def row(name: str, params: int, who: str, res: dict, base: dict, tokens: int) -> None:
         tps = tokens / res["step_s"]
         mfu = f"{6 * params * tps / (peak * 1e12):.0%}" if peak else "-"
         rows.append([name, f"{params / 1e6:.1f}M", who, f"{res['step_s']:.3f}", f"{tps:,.0f}",
-                     f"{res['peak_mb']:,.0f}", mfu, f"{res['step_s'] / base['step_s']:.2f}",
+                     f"{res['peak_mb']:,.0f}", f"{res['tensor_peak_mb']:,.1f}" if "tensor_peak_mb" in res else "-",
+                     mfu, f"{res['step_s'] / base['step_s']:.2f}",
                      f"{res['save_s']:.2f}" if "save_s" in res else "-",
                      f"{res['load_s']:.2f}" if "load_s" in res else "-"])  # fmt: skip
 
@@ -470,6 +519,11 @@ def main() -> None:
                     alone = run_trainer(name, model, dtype, args.steps)
                     row(name, params, "relayrl trainer alone (no gRPC)", alone, base, r["tokens"])
                     mem = (r["peak_mb"] / base["peak_mb"], alone["peak_mb"] / base["peak_mb"])
+                    if not cuda:  # like with like: padded, as the plain loop runs
+                        padded = run_trainer(name, model, dtype, args.steps, "off")
+                        row(name, params, "relayrl trainer alone, padded", padded, base, r["tokens"])
+                        tensors = (alone["tensor_peak_mb"] / base["tensor_peak_mb"],
+                                   padded["tensor_peak_mb"] / base["tensor_peak_mb"])  # fmt: skip
             for variant in [v for v in args.variants.split(";") if v]:
                 label, _, sets = variant.partition(":")
                 v = run_relayrl(name, model, dtype, stages[0], args.steps, Path(tmp) / f"{name}-{label}",
@@ -505,6 +559,7 @@ def main() -> None:
             "step s",
             "tokens/s",
             "peak MiB",
+            "tensors MiB",
             "MFU",
             "vs torch",
             "save s",
@@ -518,6 +573,9 @@ def main() -> None:
     if mem is not None:
         print(f"learner_peak_vs_torch_ratio: {mem[0]:.3f}")
         print(f"learner_trainer_peak_vs_torch_ratio: {mem[1]:.3f}")
+    if tensors is not None:
+        print(f"learner_tensor_peak_vs_torch_ratio: {tensors[0]:.3f}")
+        print(f"learner_padded_tensor_peak_vs_torch_ratio: {tensors[1]:.3f}")
     if packed_ratio is not None:
         print(f"packed_vs_padded_ratio: {packed_ratio:.3f}")
 

@@ -184,7 +184,9 @@ def run_relayrl(
     }
 
 
-def _worker(flag: str, what: str, name: str, model: Path, dtype: str, steps: int, packing: str = "auto") -> dict:
+def _worker(
+    flag: str, what: str, name: str, model: Path, dtype: str, steps: int, packing: str = "auto"
+) -> dict:
     """This script's ``flag`` worker in a process of its own (its memory is its own); its result."""
     out = subprocess.run(
         [sys.executable, __file__, flag, name, str(model), dtype, str(steps), packing],

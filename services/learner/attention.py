@@ -116,9 +116,7 @@ def varlen_attention(
         m = int(max_length_q) if max_length_q is not None else int((cu[1:] - cu[:-1]).max())
         out = varlen_attn(q, k, v, cu, cu, m, m, scale=scaling, **causal, **extra)
         return out[None], None  # [1, T, H, D]
-    # One causal SDPA per sequence: each attends to exactly its own tokens. Each output goes into
-    # the concatenation already in [1, L, H, D] order: one copy of the layer's attention output
-    # (cat), not two (cat, then a transposed copy), in time and in peak memory.
+    # One causal SDPA per sequence: each attends to exactly its own tokens.
     bounds = cu.tolist()
     parts = []
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
@@ -133,8 +131,7 @@ def varlen_attention(
                 scale=scaling,
                 is_causal=True,
                 enable_gqa=groups > 1,
-            ).transpose(1, 2)
+            )
         )
-    if not parts:
-        return query.new_zeros(query.shape).transpose(1, 2).contiguous(), None
-    return torch.cat(parts, dim=1), None
+    out = torch.cat(parts, dim=2) if parts else query.new_zeros(query.shape)
+    return out.transpose(1, 2).contiguous(), None

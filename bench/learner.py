@@ -214,8 +214,10 @@ def tensor_peak_mb(step) -> float:
     during one ``step()``, in MiB. The tensors live before it (weights, optimizer state), found
     by walking the objects the interpreter tracks (one count per storage), plus the highest the
     CPU allocator's total went above that during the step (torch's profiler with
-    ``profile_memory``: it counts the allocations made while it runs). Libraries' pages, heap
-    arenas and threads are left out: on a GPU they are host memory, not the device's."""
+    ``profile_memory``: it counts the allocations made while it runs). A tensor live before the
+    step and freed during it still counts in the first part, so this is an upper bound, tight
+    when a step frees what it made (both trainers here drop their gradients at its end). Libraries'
+    pages, heap arenas and threads are left out: on a GPU they are host memory, not the device's."""
     import gc
 
     import torch

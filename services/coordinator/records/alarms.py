@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 
+from relayrl.common.alarms import StreakAlarm
 from relayrl.coordinator.errors import RunFailure
 
 logger = logging.getLogger(__name__)
@@ -32,20 +33,16 @@ class NoSignalAlarm:
     """
 
     def __init__(self, steps: int, mode: str):
-        self.steps, self.mode, self.quiet = steps, mode, 0
+        self.alarm = StreakAlarm("alarm_no_signal", steps, mode, NoTrainingSignal, logger)
 
     def observe(self, train_samples: int, reward_mean: float | None) -> dict[str, int]:
-        self.quiet = 0 if train_samples else self.quiet + 1
-        if self.quiet < self.steps:
-            return {"alarm_no_signal": 0}
         mean = "n/a" if reward_mean is None else f"{reward_mean:.3f}"
-        msg = (
-            f"no sample trained in {self.quiet} training steps in a row (reward_mean {mean}): every group's "
-            "rewards were equal or every episode was masked. A collapsed policy (a learning rate too high "
-            "for the model: turns cut at their token limit, reward 0), a reward that never varies, or a "
-            "broken environment; the policy is not learning"
+        return self.alarm.observe(
+            not train_samples,
+            lambda n: (
+                f"no sample trained in {n} training steps in a row (reward_mean {mean}): every group's "
+                "rewards were equal or every episode was masked. A collapsed policy (a learning rate too "
+                "high for the model: turns cut at their token limit, reward 0), a reward that never "
+                "varies, or a broken environment; the policy is not learning"
+            ),
         )
-        if self.mode == "fail":
-            raise NoTrainingSignal(msg)
-        logger.warning("ALARM: %s", msg)
-        return {"alarm_no_signal": 1}

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from relayrl.common.alarms import StreakAlarm
 from relayrl.common.v1 import common_pb2
 from relayrl.coordinator.clients.envs import EnvPool, EpisodeLost
 from relayrl.coordinator.clients.generators import GeneratorPool
@@ -130,7 +131,13 @@ class EpisodeSource:
         self.info = info
         self.prepared = False
         self.stop_ids: list[int] = []
-        self.quiet_steps = 0  # training rollouts in a row without a tool call
+        self.zero_tools = StreakAlarm(
+            "alarm_zero_tool_calls",
+            self.ep.zero_tool_steps,
+            self.ep.zero_tool_alarm,
+            ToolsNeverCalled,
+            logger,
+        )  # training rollouts in a row without a tool call
         self.nonce = secrets.token_hex(4)  # this process's episodes, apart from any earlier one's
 
     async def prepare(self) -> None:
@@ -226,18 +233,14 @@ class EpisodeSource:
         """The zero-tool alarm, over training steps in a row (``episodes.zero_tool_alarm``)."""
         if not self.info.expects_tools:
             return {}
-        self.quiet_steps = 0 if any(e.tool_calls for e in episodes) else self.quiet_steps + 1
-        if self.quiet_steps < self.ep.zero_tool_steps:
-            return {"alarm_zero_tool_calls": 0}
-        msg = (
-            f"env {self.ep.env!r} expects tool calls but saw none in {self.quiet_steps} training steps in a "
-            f"row (episodes.tool_format {self.ep.tool_format!r}): are the tools in the prompt, and are the "
-            "model's calls parsed?"
+        return self.zero_tools.observe(
+            not any(e.tool_calls for e in episodes),
+            lambda n: (
+                f"env {self.ep.env!r} expects tool calls but saw none in {n} training steps in a row "
+                f"(episodes.tool_format {self.ep.tool_format!r}): are the tools in the prompt, and are the "
+                "model's calls parsed?"
+            ),
         )
-        if self.ep.zero_tool_alarm == "fail":
-            raise ToolsNeverCalled(msg)
-        logger.warning("ALARM: %s", msg)
-        return {"alarm_zero_tool_calls": 1}
 
     async def episode(
         self, pid: str, i: int, row: dict, evaluation: bool, tag: str, min_version: int

@@ -229,7 +229,13 @@ def tensor_peak_mb(step) -> float:
         # type(), not isinstance(): some objects warn when their __class__ is read
         if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
             storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+            try:
+                ptr = storage.data_ptr()
+            except RuntimeError:
+                # a fake or functional tensor (torch.compile's tracing leaves them behind): it
+                # has no memory of its own, so there is nothing to count
+                continue
+            storages[ptr] = storage.nbytes()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     above, events = 0, list(prof.profiler.kineto_results.experimental_event_tree())

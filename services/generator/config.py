@@ -27,9 +27,11 @@ class EngineConfig(StrictModel):
     kv_cache_gib: float = Field(1.0, gt=0, le=4096)
     """KV cache size in GiB on CPU (vLLM on CPU refuses to start without it)."""
     enforce_eager: bool | None = None
-    """Skip torch.compile and CUDA graphs. None: eager on CPU (compiling costs ~45 s at every
-    start there and gains little), vLLM's default on GPUs (CUDA graphs: decoding runs several
-    times faster than eager)."""
+    """Skip torch.compile and CUDA graphs: vLLM's compile of the model, and in the engine's
+    processes every other torch.compile too (vLLM compiles helpers of its own even when eager,
+    ~3.5 CPU-s at each start on a CPU). None: eager on CPU (compiling the model costs ~45 s at
+    every start there and gains little), vLLM's default on GPUs (CUDA graphs: decoding runs
+    several times faster than eager)."""
     max_lora_rank: Literal[0, 1, 8, 16, 32, 64, 128, 256, 320, 512] = 0
     """Highest LoRA rank the replica takes in an adapter push (a learner with ``learner.lora``
     pushes its adapter only, loaded through vLLM's LoRA API); 0 runs vLLM without LoRA (full

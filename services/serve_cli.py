@@ -175,21 +175,30 @@ def slurm_rank_env(config, args: argparse.Namespace, env: dict[str, str]) -> dic
 
 
 def launch_learner(config, args: argparse.Namespace) -> int:
-    """Exec torchrun with one process per local rank (``relayrl.learner.rank``), or with
-    ``--rank-from-slurm`` this process as one rank srun started."""
+    """Exec torchrun with one process per local rank (``relayrl.learner.rank``); this process
+    as the one rank when there is one (torchrun's agent would only watch it, for ~1.5 CPU-s and
+    a second at every start); with ``--rank-from-slurm`` this process as one rank srun started."""
     import socket
     import sys
     import tempfile
 
     if not config.model:
         raise SystemExit("learner: model (--model) is required")
-    if getattr(args, "rank_from_slurm", False):
-        os.environ.update(slurm_rank_env(config, args, dict(os.environ)))
+
+    def config_file() -> str:
         fd, path = tempfile.mkstemp(prefix="relayrl-learner-", suffix=".yaml")
         with os.fdopen(fd, "w") as f:
             f.write(cfg.dump_yaml(config))
+        return path
+
+    def exec_rank(env: dict[str, str]) -> None:
+        os.environ.update(env)
         port_file = ["--port-file", args.port_file] if args.port_file else []
-        os.execv(sys.executable, [sys.executable, "-m", "relayrl.learner.rank", "--config", path, *port_file])
+        cmd = [sys.executable, "-m", "relayrl.learner.rank", "--config", config_file(), *port_file]
+        os.execv(sys.executable, cmd)
+
+    if getattr(args, "rank_from_slurm", False):
+        exec_rank(slurm_rank_env(config, args, dict(os.environ)))
     nnodes = args.nnodes or 1
     if config.world_size % nnodes:
         raise SystemExit(f"learner: world_size {config.world_size} is not a multiple of --nnodes {nnodes}")
@@ -200,9 +209,10 @@ def launch_learner(config, args: argparse.Namespace) -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-    fd, path = tempfile.mkstemp(prefix="relayrl-learner-", suffix=".yaml")
-    with os.fdopen(fd, "w") as f:
-        f.write(cfg.dump_yaml(config))
+    addr = args.master_addr or "127.0.0.1"
+    if config.world_size == 1:
+        one = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+        exec_rank({**one, "MASTER_ADDR": addr, "MASTER_PORT": str(port)})
     cmd = [
         sys.executable,
         "-m",
@@ -210,12 +220,12 @@ def launch_learner(config, args: argparse.Namespace) -> int:
         f"--nproc_per_node={config.world_size // nnodes}",
         f"--nnodes={nnodes}",
         f"--node_rank={args.node_rank or 0}",
-        f"--master_addr={args.master_addr or '127.0.0.1'}",
+        f"--master_addr={addr}",
         f"--master_port={port}",
         "-m",
         "relayrl.learner.rank",
         "--config",
-        path,
+        config_file(),
         *(["--port-file", args.port_file] if args.port_file else []),
     ]
     logging.getLogger(__name__).info("launching: %s", " ".join(cmd))

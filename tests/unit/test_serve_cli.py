@@ -243,3 +243,38 @@ def test_a_served_module_that_returns_a_reason_exits_with_it(monkeypatch):
     with pytest.raises(SystemExit, match="the engine died: exiting with status 1"):
         serve_cli.Server("fake_died")(object(), args)
     assert serve_cli.Server("fake_stopped")(object(), args) == 0
+
+
+# -- the learner's launcher ---------------------------------------------------------------------------
+def _launched(monkeypatch, world_size: int, **flags) -> tuple[list[str], dict[str, str]]:
+    """What ``launch_learner`` execs, and the torch.distributed variables it leaves set."""
+    from relayrl.learner.config import LearnerConfig
+
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+
+    class Exec(Exception):
+        pass
+
+    def execv(path, cmd):
+        raise Exec(cmd)
+
+    monkeypatch.setattr(serve_cli.os, "execv", execv)
+    args = argparse.Namespace(port_file="/tmp/p", rank_from_slurm=False, nnodes=None, node_rank=None,
+                              master_addr=None, master_port=None, **flags)  # fmt: skip
+    with pytest.raises(Exec) as got:
+        serve_cli.launch_learner(LearnerConfig(model="m", world_size=world_size), args)
+    cmd = got.value.args[0]
+    os.unlink(cmd[cmd.index("--config") + 1])
+    env = {v: os.environ[v] for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v in os.environ}
+    return cmd, env
+
+
+def test_one_rank_is_this_process_and_several_go_through_torchrun(monkeypatch):
+    cmd, env = _launched(monkeypatch, 1)
+    assert cmd[1:3] == ["-m", "relayrl.learner.rank"] and cmd[-2:] == ["--port-file", "/tmp/p"]
+    assert env["RANK"] == "0" and env["WORLD_SIZE"] == "1" and env["MASTER_ADDR"] == "127.0.0.1"
+    assert 0 < int(env["MASTER_PORT"]) < 65536
+    cmd, env = _launched(monkeypatch, 2)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--nproc_per_node=2" in cmd and env == {}
+    assert cmd[cmd.index("-m", 3) + 1] == "relayrl.learner.rank"

@@ -16,12 +16,11 @@ import grpc
 import pytest
 from relayrl.common.v1 import common_pb2
 from relayrl.common.weightsync.buckets import dtype_name, pack
-from relayrl.common.weightsync.group import broadcast, open_group_with_store
+from relayrl.common.weightsync.group import broadcast, master_store, open_group_with_store
 from relayrl.common.weightsync.plan import TensorMeta, plan_buckets, plan_to_proto
 from relayrl.generator.v1 import generator_pb2 as g
 from relayrl.generator.v1 import generator_pb2_grpc as gg
 
-from tests.kit.net import free_port
 from tests.procs import service
 
 pytestmark = pytest.mark.slow
@@ -95,7 +94,10 @@ class Learner:
     def __init__(self, stub):
         self.stub = stub
         self.pool = ThreadPoolExecutor(2)
-        port = free_port()
+        # the learner's way: a port the kernel picked, already bound (a port found free and
+        # bound later can be taken meanwhile under load: EADDRINUSE)
+        master = master_store("127.0.0.1", 2, 60)
+        port = master.port
         fut = self.pool.submit(
             stub.InitWeightSync,
             g.InitWeightSyncRequest(
@@ -108,7 +110,9 @@ class Learner:
             ),
             timeout=60,
         )
-        self.pg, self.store = open_group_with_store("127.0.0.1", port, 2, 0, "gloo", timeout_s=60)
+        self.pg, self.store = open_group_with_store(
+            "127.0.0.1", port, 2, 0, "gloo", timeout_s=60, store=master
+        )
         self.joined = fut.result()
 
     def push(self, version: int, tensors: dict, bucket_bytes: int = 256 << 10, shapes: dict | None = None):

@@ -20,7 +20,7 @@ import torch
 from relayrl.common.v1 import common_pb2 as c
 from relayrl.common.weightsync import groupwait
 from relayrl.common.weightsync.buckets import checksum, pack
-from relayrl.common.weightsync.group import broadcast, open_group_with_store
+from relayrl.common.weightsync.group import broadcast, master_store, open_group_with_store
 from relayrl.common.weightsync.plan import plan_to_proto
 from relayrl.common.weightsync.shm import ROOT, Segment
 from relayrl.generator.v1 import generator_pb2 as g
@@ -292,8 +292,12 @@ async def test_an_error_inside_vllms_loader_does_not_brick_the_replica(tmp_path)
         assert (await status(r.stub)).ready and same(r.params, new)
 
 
-async def _join(stub, port: int, timeout_s: float = 60):
-    """The learner's side of a gloo group with this replica (rank 0 here, in a thread)."""
+async def _join(stub, timeout_s: float = 60):
+    """The learner's side of a gloo group with this replica (rank 0 here, in a thread), its store
+    on a port the kernel picked as the learner's is (``master_store``: a port found free and
+    bound later was taken meanwhile under load, EADDRINUSE)."""
+    master = await asyncio.to_thread(master_store, "127.0.0.1", 2, timeout_s)
+    port = master.port
     init = asyncio.ensure_future(
         stub.InitWeightSync(
             g.InitWeightSyncRequest(
@@ -302,7 +306,9 @@ async def _join(stub, port: int, timeout_s: float = 60):
             )
         )
     )  # fmt: skip
-    pg, store = await asyncio.to_thread(open_group_with_store, "127.0.0.1", port, 2, 0, "gloo", timeout_s)
+    pg, store = await asyncio.to_thread(
+        open_group_with_store, "127.0.0.1", port, 2, 0, "gloo", timeout_s, store=master
+    )
     await init
     return pg, store
 
@@ -316,7 +322,7 @@ async def test_a_replica_broken_by_a_push_its_peer_broke_takes_the_next_complete
     async with replica(tmp_path) as r:
         new = weights(8.0)
         buckets = plan(new)
-        pg, store = await _join(r.stub, free_port())
+        pg, store = await _join(r.stub)
         call = asyncio.ensure_future(
             r.stub.UpdateWeights(g.UpdateWeightsRequest(version=1, plan=plan_to_proto(buckets)))
         )
@@ -329,7 +335,7 @@ async def test_a_replica_broken_by_a_push_its_peer_broke_takes_the_next_complete
         assert (st.ready, st.policy_version) == (False, 0)
         groupwait.release([pg], False, 70)
         await r.stub.CloseWeightSync(g.CloseWeightSyncRequest())
-        pg, store = await _join(r.stub, free_port())  # the learner's retry: a new group, the full plan
+        pg, store = await _join(r.stub)  # the learner's retry: a new group, the full plan
         call = asyncio.ensure_future(
             r.stub.UpdateWeights(g.UpdateWeightsRequest(version=1, plan=plan_to_proto(buckets)))
         )
@@ -367,13 +373,13 @@ async def test_a_push_held_up_while_its_group_was_replaced_leaves_the_new_groups
             return await update(*args, **kwargs)
 
         r.engine._llm.pause_generation, r.engine.update_weights = pause_generation, update_weights
-        pg, store = await _join(r.stub, free_port())
+        pg, store = await _join(r.stub)
         first = asyncio.ensure_future(r.stub.UpdateWeights(request))
         await asyncio.wait_for(paused.wait(), 30)
         groupwait.abandon(store)  # the learner gives the push up and leaves the group
         groupwait.release([pg], False, 70)
         await r.stub.CloseWeightSync(g.CloseWeightSyncRequest())
-        pg, store = await _join(r.stub, free_port(), timeout_s=10)  # the retry's group
+        pg, store = await _join(r.stub, timeout_s=10)  # the retry's group
         retry = asyncio.ensure_future(r.stub.UpdateWeights(request))
         await asyncio.wait_for(retried.wait(), 30)
         resume.set()

@@ -10,12 +10,10 @@ import pytest
 import torch
 from relayrl.common.placement import host_id
 from relayrl.common.weightsync.buckets import checksum, pack, unpack
-from relayrl.common.weightsync.group import open_group_with_store
+from relayrl.common.weightsync.group import master_store, open_group_with_store
 from relayrl.common.weightsync.plan import TensorMeta, plan_buckets
 from relayrl.common.weightsync.shm import ROOT, ReadyTable, Segment, valid_name
 from relayrl.common.weightsync.transports import Place, choose
-
-from tests.kit.net import free_port
 
 CPU_A, CPU_B = Place("host-a", "cpu"), Place("host-b", "cpu")
 GPU0_A = Place("host-a", "cuda", ("GPU-0",))
@@ -228,7 +226,8 @@ def test_a_broadcast_that_loses_a_member_frees_the_others_at_once():
     from relayrl.common.rpc import Unavailable
     from relayrl.learner.push import Sinks, WeightGroup, send_buckets
 
-    port = free_port()
+    master = master_store("127.0.0.1", 3, 120)  # bound now: no other socket can take its port
+    port = master.port
     n, size = 6, 4 << 20
     kids = [
         subprocess.Popen(
@@ -239,7 +238,7 @@ def test_a_broadcast_that_loses_a_member_frees_the_others_at_once():
         for r in (1, 2)
     ]
     try:
-        pg, store = open_group_with_store("127.0.0.1", port, 3, 0, "gloo", timeout_s=120)
+        pg, store = open_group_with_store("127.0.0.1", port, 3, 0, "gloo", timeout_s=120, store=master)
         group = WeightGroup(pg, {"a": 1, "b": 2}, 3, store=store)
         del pg, store
         metas = [TensorMeta(f"w{i}", "uint8", (size,)) for i in range(n)]
@@ -274,11 +273,13 @@ def test_a_receive_stops_within_a_second_of_the_abandon_mark():
 
     from relayrl.common.weightsync import groupwait
 
-    port = free_port()
+    master = master_store("127.0.0.1", 2, 10)  # bound now: no other socket can take its port
+    port = master.port
     opened: dict = {}
 
     def join(rank: int) -> None:
-        opened[rank] = open_group_with_store("127.0.0.1", port, 2, rank, "gloo", timeout_s=10)
+        store = master if rank == 0 else None
+        opened[rank] = open_group_with_store("127.0.0.1", port, 2, rank, "gloo", timeout_s=10, store=store)
 
     t = threading.Thread(target=join, args=(1,))
     t.start()

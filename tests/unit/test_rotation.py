@@ -337,13 +337,10 @@ async def test_a_readmission_lets_the_calls_on_the_old_channel_finish():
         await srv.stop()
 
 
-async def test_callers_wait_past_the_bound_for_a_replica_its_supervisor_is_restarting():
-    """A short ``replica_wait_seconds`` gives up on a hung replica quickly; a crashed one that
-    the embedded supervisor is starting again (vLLM takes a while to load) is waited for."""
-    a = HealthServer()
-    await a.start()
-    restarting = {"gen-0"}
-    rot = Rotation(
+def _restarting(a: HealthServer, restarting: set[str]) -> Rotation:
+    """One replica at ``a``, a short bound (0.1 s), and a supervisor restarting those named in
+    ``restarting``."""
+    return Rotation(
         "generator",
         {"gen-0": a.address},
         SERVICE,
@@ -351,6 +348,15 @@ async def test_callers_wait_past_the_bound_for_a_replica_its_supervisor_is_resta
         wait_s=0.1,
         coming_back=restarting.__contains__,
     )
+
+
+async def test_callers_wait_past_the_bound_for_a_replica_its_supervisor_is_restarting():
+    """A short ``replica_wait_seconds`` gives up on a hung replica quickly; a crashed one that
+    the embedded supervisor is starting again (vLLM takes a while to load) is waited for."""
+    a = HealthServer()
+    await a.start()
+    restarting = {"gen-0"}
+    rot = _restarting(a, restarting)
     try:
         rot.mark_down(rot.replicas[0], "UNAVAILABLE: killed")
         await a.stop()
@@ -386,14 +392,7 @@ async def test_a_restart_that_ends_during_a_slow_probe_is_probed_again_before_gi
     a = HealthServer()
     await a.start()
     restarting = {"gen-0"}
-    rot = Rotation(
-        "generator",
-        {"gen-0": a.address},
-        SERVICE,
-        probe_s=0.05,
-        wait_s=0.1,
-        coming_back=restarting.__contains__,
-    )
+    rot = _restarting(a, restarting)
     check, probes = rot._check, []
 
     async def slow_check(channel):

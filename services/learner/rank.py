@@ -35,6 +35,10 @@ def init_distributed(with_deepspeed: bool = True) -> str:
         # By sys.modules, not attribute access: deepspeed.comm's `torch` attribute is torch itself.
         if with_deepspeed:
             importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        # Nothing a CPU rank runs is compiled, yet DeepSpeed's import decorates its Muon
+        # optimizer with torch.compile, which loads inductor (~0.8 CPU-s at every rank start).
+        # Read by torch.compile when it is called, so setting it here, before that import, works.
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
         backend = "gloo"
         # Gloo binds the address the host name resolves to unless told an interface: across
         # nodes (pods, namespaces, several NICs) that is often not the one that reaches rank 0,

@@ -8,7 +8,9 @@ Every case must end in one of two ways only:
 - it stops within ``bound(case)`` seconds, exits non-zero with a message naming the service
   that failed, and leaves no service process behind; then ``relayrl run --resume`` continues it.
 
-At the end a SIGTERM stops the run at a step boundary with a checkpoint (exit 0), and the run
+At the end ``relayrl status`` and ``relayrl list`` find the run on its coordinator and
+``relayrl stop`` ends it at a step boundary with a checkpoint of that step, its services gone,
+exit 0 (Ctrl-C and SIGTERM take that path too: test_ray_launch and test_slurm). Then the run
 folder must show every step once and every prompt once, in the data's order: the ledger
 (``ledger.jsonl``, each step's prompts) has no gap and no repeat whatever was killed on the
 way, and ``metrics.jsonl`` continues step by step.
@@ -240,6 +242,13 @@ def _settle(case: Case, run: Run, run_dir: Path, at: float, services: list[psuti
             return "on"
 
 
+def _relayrl(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """A ``relayrl`` client command (it finds the coordinator through ``runs/coordinator.addr``)."""
+    return subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=60
+    )
+
+
 def _expected_prompts(exp: Path, steps: int) -> list[list[str]]:
     """The prompts of steps 1..steps in the data's seeded order, as the loop draws them."""
     from relayrl.common.data.dataset import load_rows
@@ -289,10 +298,21 @@ def test_every_fault_either_passes_or_stops_named_and_the_resume_loses_nothing(t
             if outcome == "stop":
                 run.log.close()
                 run = Run(tmp_path, exp, run_dir, len(outcomes))
-        # the last one: SIGTERM ends the step with a checkpoint and exits 0
+        # the last one: found by `relayrl status` and `list`, ended by `relayrl stop` at the end of
+        # its step with a checkpoint, its services stopped, exit 0
         assert _wait_steps(run, run_dir, 2, timeout=300), run.text()[-3000:]
-        run.proc.send_signal(signal.SIGTERM)
+        services = run.services()
+        assert len(services) >= 3, "learner, generator and reward should be running"
+        shown = _relayrl(tmp_path, "status").stdout
+        assert f"{run_dir.name}  running" in shown, shown
+        assert run_dir.name in _relayrl(tmp_path, "list").stdout
+        stopped = _relayrl(tmp_path, "stop", run_dir.name)
+        assert stopped.returncode == 0 and "stopping" in stopped.stdout, stopped.stdout + stopped.stderr
         assert run.proc.wait(timeout=120) == 0, run.text()[-3000:]
+        _gone, alive = psutil.wait_procs(services, timeout=30)
+        assert not alive, f"left running after the stop: {[_cmd(p) for p in alive]}"
+        gone = _relayrl(tmp_path, "status", "nope")
+        assert gone.returncode != 0  # the coordinator left with its run: no address any more
     finally:
         if run.proc.poll() is None:
             for p in run.services():
@@ -306,5 +326,10 @@ def test_every_fault_either_passes_or_stops_named_and_the_resume_loses_nothing(t
     assert steps == list(range(1, len(steps) + 1)), steps  # each step once, none missing
     assert [e["step"] for e in ledger] == steps
     assert [e["prompts"] for e in ledger] == _expected_prompts(exp, len(steps))  # none lost or twice
-    assert saved["step"] == steps[-1]
+    assert saved["step"] == steps[-1] and saved["tag"] == f"step{steps[-1]}"  # the last step's own
+    text = run.text()
+    assert (
+        f"{run_dir.name}: stopped at step {steps[-1]} with a checkpoint; continue with: relayrl run --resume"
+        in text
+    )
     assert len(outcomes) == CASES

@@ -60,7 +60,11 @@ def _sets(*overrides: str) -> list[str]:
     return [arg for o in overrides for arg in ("--set", o)]
 
 
-def test_grpo_raises_heldout_accuracy_then_resumes(workspace):
+def test_grpo_raises_heldout_accuracy(workspace):
+    """GRPO through the whole system on two ZeRO-3 ranks: held-out accuracy rises, no prompt is
+    lost, every push reaches the generator. Resuming such a run is proven where more can go
+    wrong: PPO's (critic and KL controller), the crashed learner's (identical steps) and every
+    fault of the chaos suite (two ranks, no step or prompt lost or repeated)."""
     root, exp = workspace
     res = _relayrl("run", str(exp), cwd=root)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -82,14 +86,6 @@ def test_grpo_raises_heldout_accuracy_then_resumes(workspace):
     launched = [json.loads(line)["name"] for line in (run_dir / "launch.jsonl").read_text().splitlines()]
     assert sorted(launched) == ["gen-0", "learner", "reward-0"]
     assert "held-out greedy accuracy" in res.stdout
-
-    version = steps[-1]["policy_version"]
-    res = _relayrl("run", "--resume", str(run_dir), "--set", "schedule.steps=22", cwd=root)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert f"resumed {run_dir.name} at step 20" in res.stdout
-    steps = [r for r in _records(run_dir) if "reward_mean" in r]
-    assert [r["step"] for r in steps] == list(range(1, 23))
-    assert steps[-1]["policy_version"] > version
 
 
 def test_reinforce_pp_trains_on_per_token_advantages_and_raises_heldout_accuracy(workspace):
@@ -191,43 +187,6 @@ def _programmatic(root: Path, exp: Path, overrides: list[str], on_record):
     )
 
 
-def test_a_killed_generator_replica_loses_no_prompt(workspace):
-    root, exp = workspace
-    killed = {}
-
-    def on_record(services):
-        def f(rec):
-            if rec.get("step") == 2 and "reward_mean" in rec and not killed:
-                proc = next(p for p in services.procs if p.name == "gen-1")
-                proc.kill()
-                killed["at"] = 2
-
-        return f
-
-    cfg, run_dir, services, go = _programmatic(
-        root,
-        exp,
-        [
-            "schedule.steps=6",
-            "schedule.eval_every=0",
-            "services.generator_replicas=2",
-            "services.restarts=0",  # it stays dead: the run goes on with one
-            "learner.world_size=1",
-            "name=fault-gen",
-        ],
-        on_record,
-    )
-    try:
-        exp_done = go()
-    finally:
-        services.stop()
-    steps = [r for r in exp_done.records if "reward_mean" in r]
-    assert killed and len(steps) == 6
-    assert all(r["groups"] == 16 for r in steps)  # every prompt of every step scored exactly once
-    assert steps[0]["healthy_generators"] == 2 and steps[-1]["healthy_generators"] == 1
-    assert all(r["synced_replicas"] == r["healthy_generators"] for r in steps if r["train_samples"])
-
-
 def test_a_generator_killed_while_the_learner_trains_costs_one_push_not_the_other_replica(
     workspace, monkeypatch, caplog
 ):
@@ -235,7 +194,9 @@ def test_a_generator_killed_while_the_learner_trains_costs_one_push_not_the_othe
     trains): the learner's broadcast to the gloo group that still holds it fails. The other
     replica, already waiting for the first bucket, must stop within a second (the learner
     marks the push abandoned), not at the group's timeout (minutes): the push is retried without
-    the dead one and the run goes on at full speed with one replica."""
+    the dead one and the run goes on at full speed with one replica, to the end: with no
+    restarts it stays dead. (A replica killed mid-generation, its prompts sampled again by the
+    other one: the restart test below.)"""
     from relayrl.coordinator.clients.learner import LearnerClient
 
     box: dict = {}
@@ -280,6 +241,8 @@ def test_a_generator_killed_while_the_learner_trains_costs_one_push_not_the_othe
     assert any("weight push of version 3 failed" in m for m in messages), messages
     third = steps[2]
     assert (third["synced_replicas"], third["healthy_generators"]) == (1, 1), third
+    assert steps[0]["healthy_generators"] == 2 and steps[-1]["healthy_generators"] == 1
+    assert all(r["synced_replicas"] == r["healthy_generators"] for r in steps if r["train_samples"]), steps
     # the retry found the survivor free at once (stuck, it would have taken minutes)
     assert third["time_sync"] < 30, [r["time_sync"] for r in steps]
     assert (status.ready, status.policy_version) == (True, 5)
@@ -427,99 +390,3 @@ def test_a_learner_crash_stops_the_run_and_its_resume_continues_identically(work
         assert again[key] == before[key], (key, again[key], before[key])
     assert again["loss"] == pytest.approx(before["loss"], rel=1e-4, abs=1e-6)
     assert steps[4]["policy_version"] > steps[3]["policy_version"]
-
-
-def _long_run(root: Path, exp: Path, name: str, logname: str, sigint_ignored: bool = False):
-    """``relayrl run`` of a 200-step variant in the background, logging to ``root/logname``.
-    ``sigint_ignored``: started as a non-interactive shell starts a background job (SIGINT
-    ignored, inherited), where asyncio installs no Ctrl-C handler of its own."""
-    import signal
-
-    log = open(root / logname, "w")
-    args = ["--set", f"name={name}", "--set", "schedule.steps=200", "--set", "schedule.eval_every=0"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "relayrl.cli", "run", str(exp), *args, "--set", "learner.world_size=1"],
-        cwd=root,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None,
-    )
-    return log, proc
-
-
-def test_status_and_stop_talk_to_the_running_coordinator(workspace):
-    import time
-
-    root, exp = workspace
-    log, proc = _long_run(root, exp, "stoppable", "stop-run.log")
-    try:
-        deadline = time.monotonic() + 300
-        out = ""
-        while time.monotonic() < deadline and "step 2/" not in out and "step 3/" not in out:
-            time.sleep(1)
-            res = _relayrl("status", cwd=root, timeout=30)
-            out = res.stdout
-            assert proc.poll() is None, (root / "stop-run.log").read_text()[-3000:]
-        assert "stoppable-" in out and "running" in out, out
-        run_id = out.split()[0]
-        listed = _relayrl("list", cwd=root, timeout=30)
-        assert run_id in listed.stdout
-        stopped = _relayrl("stop", run_id, cwd=root, timeout=30)
-        assert stopped.returncode == 0 and "stopping" in stopped.stdout
-        assert proc.wait(timeout=300) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
-    text = (root / "stop-run.log").read_text()
-    assert f"{run_id}: stopped at step" in text
-    assert (root / "runs" / run_id / "checkpoints" / "coordinator.json").exists()
-    missing = _relayrl("status", "nope", cwd=root, timeout=30)
-    assert missing.returncode != 0  # the coordinator left with its run: no address any more
-
-
-def test_ctrl_c_ends_the_step_checkpoints_and_stops_the_services(workspace):
-    """Ctrl-C on ``relayrl run`` from a parent that started it with SIGINT ignored, as a
-    non-interactive shell does (asyncio then installs no handler of its own: Ctrl-C did
-    nothing): the run ends the step it is in, writes a checkpoint of it, stops the services it
-    started and exits 0, in bounded time; nothing trained is lost (the checkpoint is the last
-    recorded step). SIGTERM does the same: the chaos suite ends on it (tests/chaos)."""
-    sig = "SIGINT"
-    import os
-    import signal
-    import time
-
-    import psutil
-
-    root, exp = workspace
-    name = f"signalled-{sig.lower()}"
-    log, proc = _long_run(root, exp, name, f"{name}.log", sigint_ignored=True)
-    try:
-        deadline = time.monotonic() + 300
-        children: list[psutil.Process] = []
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (root / f"{name}.log").read_text()[-3000:]
-            runs = list((root / "runs").glob(f"{name}-*/metrics.jsonl"))
-            if runs and runs[0].read_text().strip():  # a step went through every service
-                children = psutil.Process(proc.pid).children(recursive=True)
-                break
-            time.sleep(1)
-        assert len(children) >= 3, "learner, generator and reward should be running"
-        t0 = time.monotonic()
-        os.kill(proc.pid, getattr(signal, sig))
-        assert proc.wait(timeout=120) == 0, (root / f"{name}.log").read_text()[-3000:]
-        took = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
-    text = (root / f"{name}.log").read_text()
-    assert "stopping at the end of this step with a checkpoint" in text
-    run_dir = runs[0].parent
-    steps = [json.loads(line)["step"] for line in runs[0].read_text().splitlines()]
-    saved = json.loads((run_dir / "checkpoints" / "coordinator.json").read_text())
-    assert saved["tag"] == f"step{steps[-1]}" and saved["step"] == steps[-1] == len(steps), (saved, steps)
-    assert f"stopped at step {steps[-1]} with a checkpoint; continue with: relayrl run --resume" in text
-    assert took < 120
-    _gone, alive = psutil.wait_procs(children, timeout=30)
-    assert not alive, [p.cmdline()[:6] for p in alive]

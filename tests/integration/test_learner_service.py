@@ -41,14 +41,18 @@ def train(stub, step: int, seed: int) -> lp.TrainStepResponse:
     return stub.TrainStep(lp.TrainStepRequest(run_id="t", step=step, samples=batch(seed)), timeout=300)
 
 
-def test_parameters_are_partitioned_over_two_ranks(tiny_model_dir):
-    res = torchrun("partition_check.py", str(tiny_model_dir))
-    assert res.stdout.count("params partitioned") == 2
+@pytest.fixture(scope="module")
+def zero3_checks(tiny_model_dir) -> str:
+    """The output of zero3_check.py's two ranks: both checks in one torchrun launch."""
+    return torchrun("zero3_check.py", str(tiny_model_dir)).stdout
 
 
-def test_a_step_with_a_non_finite_gradient_norm_changes_nothing_on_any_rank(tiny_model_dir):
-    res = torchrun("nonfinite_check.py", str(tiny_model_dir))
-    assert res.stdout.count("non-finite step skipped, state unchanged") == 2
+def test_parameters_are_partitioned_over_two_ranks(zero3_checks):
+    assert zero3_checks.count("params partitioned") == 2, zero3_checks[-3000:]
+
+
+def test_a_step_with_a_non_finite_gradient_norm_changes_nothing_on_any_rank(zero3_checks):
+    assert zero3_checks.count("non-finite step skipped, state unchanged") == 2, zero3_checks[-3000:]
 
 
 def test_every_collective_tensor_has_an_explicit_device(tiny_model_dir):

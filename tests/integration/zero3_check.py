@@ -1,8 +1,11 @@
-"""Run under torchrun by test_learner_service: a step whose gradient norm is not finite is skipped
-alike on every rank, and leaves weights, optimizer, schedule, step and version as they were.
+"""Run under torchrun (2 ranks, CPU) by test_learner_service, one launch for two checks of
+DeepSpeed ZeRO-3 as the trainer sets it up:
 
-The service refuses the inputs that lead there (advantages beyond 1e6, bad masks); this drives
-the trainer directly with an infinite advantage (no request may carry one) to reach the guard behind them.
+1. every parameter is really partitioned (no rank holds a whole one outside a gather);
+2. a step whose gradient norm is not finite is skipped alike on every rank, and leaves weights,
+   optimizer, schedule, step and version as they were. The service refuses the inputs that
+   lead there (advantages beyond 1e6, bad masks); this drives the trainer directly with an
+   infinite advantage (no request may carry one) to reach the guard behind them.
 """
 
 import sys
@@ -15,9 +18,23 @@ from relayrl.learner.rank import init_distributed
 from relayrl.learner.trainer import Sample, Trainer
 
 init_distributed()
-trainer = Trainer(LearnerConfig(model=sys.argv[1], world_size=dist.get_world_size()))
+world = dist.get_world_size()
+# Every parameter partitioned, however small (the default keeps small ones whole on each rank).
+trainer = Trainer(LearnerConfig(model=sys.argv[1], world_size=world, param_persistence_threshold=0))
+
+# 1. partitioned, before any step
+for name, p in trainer.engine.module.named_parameters():
+    assert p.numel() == 0, f"{name} is materialised outside a gather: {tuple(p.shape)}"
+    full = p.ds_numel
+    local = p.ds_tensor.numel()
+    assert local == -(-full // world), f"{name}: rank holds {local} of {full} elements"
+print(
+    f"rank {dist.get_rank()}: all {sum(1 for _ in trainer.engine.module.parameters())} params partitioned",
+    flush=True,
+)
 
 
+# 2. a non-finite gradient norm changes nothing
 def local_state() -> torch.Tensor:
     """This rank's weight partitions and optimizer moments, flattened."""
     parts = [p.ds_tensor.detach().clone().float().reshape(-1) for p in trainer.engine.module.parameters()]

@@ -8,18 +8,20 @@ bash scripts/install.sh >/dev/null
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1
-# The framework agent that the sandbox tests run (tests/kit/agents/langchain_calc) needs its wheels
-# for the sandbox's interpreter (Debian's python3): fetched here, once, as the install is; the tests
+# What the sandbox tests run with packages of its own (the LangChain agent, tests/kit/agents/
+# langchain_calc; verifiers environments, tests/kit/verifiers_envs) needs its wheels for the
+# sandbox's interpreter (Debian's python3): fetched here, once, as the install is; the tests
 # themselves reach nothing past loopback (tests/unit/test_harness_packages.py).
 sandbox_py="$(/usr/bin/python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null \
   || /usr/local/bin/python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || true)"
-agent_reqs=tests/kit/agents/langchain_calc/requirements.txt
-wheels="${RELAYRL_TEST_CACHE:-$HOME/.cache/relayrl-tests}/agent-wheels/py$sandbox_py-$(sha256sum "$agent_reqs" | cut -c1-12)"
-if [ -n "$sandbox_py" ] && [ ! -e "$wheels/.complete" ]; then
-  python -m pip download --quiet --disable-pip-version-check --only-binary=:all: --python-version "$sandbox_py" \
-    -d "$wheels" -r "$agent_reqs" 2>/dev/null && touch "$wheels/.complete" \
-    || echo "the sandboxed LangChain agent's wheels could not be fetched: its test is skipped" >&2
-fi
+for agent_reqs in tests/kit/agents/langchain_calc/requirements.txt tests/kit/verifiers_envs/requirements.txt; do
+  wheels="${RELAYRL_TEST_CACHE:-$HOME/.cache/relayrl-tests}/agent-wheels/py$sandbox_py-$(sha256sum "$agent_reqs" | cut -c1-12)"
+  if [ -n "$sandbox_py" ] && [ ! -e "$wheels/.complete" ]; then
+    python -m pip download --quiet --disable-pip-version-check --only-binary=:all: --python-version "$sandbox_py" \
+      -d "$wheels" -r "$agent_reqs" 2>/dev/null && touch "$wheels/.complete" \
+      || echo "the wheels of $agent_reqs could not be fetched: the tests that need them are skipped" >&2
+  fi
+done
 ruff check .
 ruff format --check .
 python scripts/gen_protos.py --check

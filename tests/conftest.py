@@ -18,7 +18,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Agent programs for the sandbox (tests/kit/agents): run there with their own requirements, never
 # imported by pytest's doctest collection.
-collect_ignore_glob = ["kit/agents/*"]
+collect_ignore_glob = ["kit/agents/*", "kit/verifiers_envs/*"]
 
 
 def _has_cuda() -> bool:

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from relayrl.coordinator.config import EPISODE_WARM_STARTS, ExperimentConfig, TinyModelSpec
+from relayrl.coordinator.config import EPISODE_WARM_STARTS, VERIFIERS_DATA, ExperimentConfig, TinyModelSpec
 from relayrl.coordinator.records.trackers import missing_packages
 
 
@@ -51,6 +51,9 @@ def prepare(cfg: ExperimentConfig, stop: Callable[[], bool] | None = None) -> bo
             from relayrl.common.data.dataset import write_rows
             from relayrl.common.data.tasks import GenerationStopped, generate_rows
 
+            if spec.task.startswith(VERIFIERS_DATA):
+                write_rows(verifiers_rows(cfg, split, n), path)
+                continue
             try:
                 rows = generate_rows(spec.task, n, spec.seed, split, spec.params, stop=stop)
             except GenerationStopped:
@@ -90,3 +93,33 @@ def build_episode_model(model: Path, t: TinyModelSpec) -> None:
     for f in sorted(part.iterdir(), key=lambda f: f.name == "config.json"):  # config.json last
         f.replace(model / f.name)
     part.rmdir()
+
+
+def verifiers_rows(cfg: ExperimentConfig, split: str, n: int) -> list[dict]:
+    """``n`` rows of ``split`` from the taskset of ``data.generate.task: verifiers/<name>``: its
+    tasks listed once under the sandbox's interpreter with the env's requirements installed
+    (``relayrl.common.verifiers.list_tasks``), a seeded shuffle, the first ``n_test`` held out."""
+    from relayrl.common import verifiers as vfc
+    from relayrl.common.sandbox.packages import default_root
+    from relayrl.common.sandbox.runner import resolve_python
+
+    gen = cfg.data.generate
+    name = gen.task.removeprefix(VERIFIERS_DATA)
+    spec = next(v for v in cfg.env.verifiers if v.name == name)
+    box = cfg.env.sandbox
+    key = (name, gen.n_train + gen.n_test)
+    if key not in _LISTED:
+        print(f"listing the tasks of verifiers taskset {spec.taskset} ...", flush=True)
+        reqs = Path(spec.requirements or vfc.DEFAULT_REQUIREMENTS).read_text()
+        env = vfc.env_data(spec.taskset, spec.taskset_args, spec.harness, spec.max_turns)
+        files = {vfc.CHAT_HARNESS.name: str(vfc.CHAT_HARNESS)}
+        if spec.folder:
+            files.update({p.name: str(p) for p in sorted(Path(spec.folder).glob("*.py"))})
+        root = Path(box.packages_dir) if box.packages_dir else default_root()
+        python = resolve_python(box.python)
+        _LISTED[key] = vfc.list_tasks(env, files, reqs, key[1], python, root, box.packages_timeout_seconds)
+    return vfc.task_rows(_LISTED[key], name, n, gen.seed, split, gen.n_test)
+
+
+_LISTED: dict[tuple[str, int], list[dict]] = {}
+"""Tasks listed in this process, by (env name, count): train and test come from one listing."""

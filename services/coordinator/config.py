@@ -30,6 +30,11 @@ GYM_SCORER = "relayrl.reward.gym:score"
 episodes of a data kit task (``pyexec``: calc's rows, a python tool)."""
 
 
+VERIFIERS_DATA = "verifiers/"
+"""``data.generate.task: verifiers/<name>``: the tasks of ``env.verifiers``'s ``name``
+(``relayrl.common.verifiers.DATA_PREFIX``)."""
+
+
 class TinyModelSpec(StrictModel):
     """Build a tiny local model when ``model.path`` does not exist yet (demos, tests, CI)."""
 
@@ -81,8 +86,10 @@ class TaskDataSpec(StrictModel):
     """Generate the dataset files when they are missing."""
 
     task: Task | str
-    """Which task: a built-in one, or any reasoning-gym task as ``reasoning_gym/<name>`` (needs
-    ``relayrl[tasks]``; score it with the reward plugin ``relayrl.reward.gym:score``)."""
+    """Which task: a built-in one, any reasoning-gym task as ``reasoning_gym/<name>`` (needs
+    ``relayrl[tasks]``; score it with the reward plugin ``relayrl.reward.gym:score``), or the tasks
+    of a verifiers environment of ``env.verifiers`` as ``verifiers/<name>`` (its rows name their
+    task; the env scores them)."""
     n_train: int = Field(2000, ge=1, le=MAX_GENERATED_ROWS)
     """Training prompts (at most 50,000: generated in memory before the run starts; write a
     larger set with ``relayrl data`` and name it in ``data.train``)."""
@@ -98,10 +105,16 @@ class TaskDataSpec(StrictModel):
     def _known_params(self) -> TaskDataSpec:
         from relayrl.common.data.tasks import generate
 
+        if self.task.startswith(VERIFIERS_DATA):
+            if self.params:
+                raise ValueError(
+                    "data.generate.params: a verifiers taskset takes its own (env.verifiers.taskset_args)"
+                )
+            return self
         if self.task not in TASKS and not is_gym(self.task):
             raise ValueError(
-                f"data.generate.task: {self.task!r} is neither a built-in task ({', '.join(TASKS)}) "
-                "nor reasoning_gym/<name>"
+                f"data.generate.task: {self.task!r} is neither a built-in task ({', '.join(TASKS)}), "
+                "reasoning_gym/<name> nor verifiers/<name>"
             )
 
         try:  # no rows: only the parameter checks run
@@ -498,6 +511,10 @@ class ExperimentConfig(StrictModel):
                 f"({self.services.deadline_seconds:g}): a session waits that long for a turn's Generate"
             )
         gen = self.data.generate
+        if gen is not None and gen.task.startswith(VERIFIERS_DATA):
+            name = gen.task.removeprefix(VERIFIERS_DATA)
+            if name not in {v.name for v in self.env.verifiers}:
+                raise ValueError(f"data.generate.task {gen.task!r}: env.verifiers has no env named {name!r}")
         if (
             gen is not None
             and is_gym(gen.task)

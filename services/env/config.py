@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 from relayrl.common.config import StrictModel, plugin_refs
@@ -28,6 +29,54 @@ class OpenEnvServer(StrictModel):
     waits at most ``tool_timeout_seconds``."""
 
 
+class VerifiersEnvSpec(StrictModel):
+    """A verifiers environment (Prime Intellect's ``verifiers`` 0.4, ``verifiers.v1``: the
+    Environments Hub's), each rollout its own, run by verifiers in the replica's sandbox through
+    the gateway (one session per rollout) and scored by its own rubric (``relayrl.env.verifiers``)."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+    """The env's name here: what ``episodes.env`` names (and ``data.generate.task:
+    verifiers/<name>``)."""
+    taskset: str = Field(..., pattern=r"^[A-Za-z_][A-Za-z0-9_.]{0,127}$")
+    """The verifiers taskset id: a module whose ``__all__`` exports one ``Taskset`` subclass,
+    installed by ``requirements`` (a Hub environment's package) or in ``folder``."""
+    taskset_args: dict[str, Any] = Field(default_factory=dict)
+    """More fields of the taskset's config (its ``TasksetConfig`` subclass), as verifiers'
+    ``--env.taskset.*`` would set them."""
+    harness: str = Field("", pattern=r"^([A-Za-z_][A-Za-z0-9_.]{0,127})?$")
+    """A verifiers harness id; empty: the taskset's own, else relayrl's in-process chat harness
+    (verifiers' default, ``bash``, installs uv from the internet at its first run)."""
+    folder: str = Field("", max_length=4096)
+    """A folder whose modules (``*.py``) each job gets beside the agent: the taskset's module
+    when no package installs it; empty: none."""
+    requirements: str = Field("", max_length=4096)
+    """A requirements file (pip's format, its options too: ``--find-links`` for wheels offline)
+    installed once per replica host for the sandbox's interpreter; it must hold ``verifiers`` and
+    the taskset's own packages. Empty: ``verifiers==0.4.0`` alone."""
+    max_turns: int = Field(8, ge=1, le=1000)
+    """Most model calls in a rollout (verifiers' ``max_turns``)."""
+    agent_seconds: float = Field(240.0, gt=0, le=600)
+    """Wall-clock limit of a rollout (cut to the step's deadline); past it the episode is masked."""
+    memory_mb: int = Field(2048, ge=256, le=1 << 20)
+    """Address space of each process of a rollout's job (verifiers, its interception server, its
+    tool servers)."""
+
+    @field_validator("folder", "requirements")
+    @classmethod
+    def _absolute(cls, v: str, info) -> str:
+        """Made absolute where the config is read: the env replica may start elsewhere."""
+        from pathlib import Path
+
+        if not v:
+            return v
+        path = Path(v).expanduser().resolve()
+        if info.field_name == "folder" and not path.is_dir():
+            raise ValueError(f"{v!r:.200} is not a folder")
+        if info.field_name == "requirements" and not path.is_file():
+            raise ValueError(f"{v!r:.200} is not a file")
+        return str(path)
+
+
 class EnvConfig(StrictModel):
     """One environment replica."""
 
@@ -48,6 +97,9 @@ class EnvConfig(StrictModel):
     openenv: list[OpenEnvServer] = Field(default_factory=list)
     """OpenEnv environments, each on its own server: the replica reads each one's Action schema at
     start (and refuses to start while one does not answer)."""
+    verifiers: list[VerifiersEnvSpec] = Field(default_factory=list)
+    """verifiers environments: the replica installs each one's requirements for its sandbox's
+    interpreter at start (minutes the first time on a host, then reused)."""
     max_sessions: int = Field(1024, ge=1, le=1_000_000)
     """Most sessions open at once; a Reset past it is RESOURCE_EXHAUSTED (retry later or
     elsewhere)."""

@@ -255,10 +255,14 @@ class HarnessEnv(Env):
 
     # ---- inside ------------------------------------------------------------------------------
 
+    def agent_input(self) -> dict:
+        """The agent's stdin (JSON): the task env's first messages and tools, its turns."""
+        turns = self.task_env.max_turns if self.agent_turns is None else self.agent_turns
+        return {"messages": self.first_messages, "tools": self.task_env.tools, "max_turns": turns}
+
     def _run(self, limits: SandboxLimits) -> RunResult:
         gw = self.gateway
-        turns = self.task_env.max_turns if self.agent_turns is None else self.agent_turns
-        spec = {"messages": self.first_messages, "tools": self.task_env.tools, "max_turns": turns}
+        spec = self.agent_input()
         files = {
             "agent.py": _source(self.agent_program),
             "relay.py": _source(str(AGENTS / "relay.py")),
@@ -296,11 +300,17 @@ class HarnessEnv(Env):
 
     def _judge(self, r: RunResult, wall: float) -> None:
         """The task env's transcript from the agent's report, or ``failure``."""
+        report = self._report(r, wall)
+        if report is not None:
+            self.take(report)
+
+    def _report(self, r: RunResult, wall: float) -> dict | None:
+        """The agent's report (``read_report``); None, ``failure`` set, when there is none."""
         if r.verdict is Verdict.TIMEOUT:
             cpu = self.agent_limits.cpu_seconds
             why = f"the agent ran past its time limit ({wall:.3g}s wall, {cpu:g}s CPU)"
             self.failure = ("agent_timeout", f"{why}: {_tail(r.stderr)}" if r.stderr.strip() else why)
-            return
+            return None
         report = read_report(r.stdout) if r.verdict is Verdict.OK and r.exit_code == 0 else None
         if report is None:
             how = f"exit status {r.exit_code}" if r.exit_code is not None else f"signal {r.signal}"
@@ -310,7 +320,10 @@ class HarnessEnv(Env):
                 else f"ended {r.verdict} ({how})"
             )
             self.failure = ("agent_failed", f"the agent {what}: {_tail(r.stderr) or _tail(r.stdout)}")
-            return
+        return report
+
+    def take(self, report: dict) -> None:
+        """What the report says goes into the task env's transcript, which its reward reads."""
         t = self.task.transcript
         t.turns, t.tool_calls, t.truncated = report["turns"], report["tool_calls"], report["truncated"]
         final = report["final"]

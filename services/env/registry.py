@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from relayrl.env.adapters import is_trl_style, trl_env
 from relayrl.env.base import Env, EnvUnavailable
 from relayrl.env.calc import CalcEnv
-from relayrl.env.config import OpenEnvServer
+from relayrl.env.config import OpenEnvServer, VerifiersEnvSpec
 from relayrl.env.guess import GuessEnv
 from relayrl.env.openenv import openenv_env
+from relayrl.env.verifiers import verifiers_env
 
 BUILTINS: tuple[type[Env], ...] = (CalcEnv, GuessEnv)
 ON_REQUEST = {
@@ -99,10 +100,12 @@ def build_registry(
     reward_funcs: Sequence[str] = (),
     weights: Sequence[float] | None = None,
     openenv: Sequence[OpenEnvServer] = (),
+    verifiers: Sequence[VerifiersEnvSpec] = (),
 ) -> dict[str, EnvSpec]:
-    """Built-ins, then plugins, then OpenEnv servers (``EnvConfig.openenv``), by name (TRL classes
-    scored with ``reward_funcs``). Plugins may live in modules next to where the service was
-    started (its working folder is searched last)."""
+    """Built-ins, then plugins, then OpenEnv servers (``EnvConfig.openenv``), then verifiers
+    environments (``EnvConfig.verifiers``), by name (TRL classes scored with ``reward_funcs``).
+    Plugins may live in modules next to where the service was started (its working folder is
+    searched last)."""
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     specs = {c.name: EnvSpec(c.name, c, f"{c.__module__}:{c.__qualname__}", False) for c in BUILTINS}
@@ -130,4 +133,13 @@ def build_registry(
         if prev is not None and prev.from_plugin:
             raise PluginError(f"openenv {server.name}: env {cls.name!r} is already served by {prev.origin}")
         specs[cls.name] = EnvSpec(cls.name, cls, server.url, True)
+    for vf in verifiers:
+        try:
+            cls = _checked(verifiers_env(vf), f"verifiers:{vf.taskset}")
+        except ValueError as e:
+            raise PluginError(f"verifiers {vf.name}: {e}") from None
+        prev = specs.get(cls.name)
+        if prev is not None and prev.from_plugin:
+            raise PluginError(f"verifiers {vf.name}: env {cls.name!r} is already served by {prev.origin}")
+        specs[cls.name] = EnvSpec(cls.name, cls, f"verifiers:{vf.taskset}", True)
     return dict(sorted(specs.items()))

@@ -30,7 +30,9 @@ def build(config: EnvConfig) -> ServerHandle:
     session. Raises ``PluginError`` when a plugin cannot be loaded, ``SandboxUnsafe`` when an
     env that runs the model's code is served and the sandbox's start-up probe fails, and what an
     env's ``prepare`` raises (``PackagesError``: its agent's requirements do not install)."""
-    specs = build_registry(config.plugins, config.reward_funcs, config.reward_weights, config.openenv)
+    specs = build_registry(
+        config.plugins, config.reward_funcs, config.reward_weights, config.openenv, config.verifiers
+    )
     table = SessionTable(specs, config)
     if any(spec.cls.needs_sandbox for spec in specs.values()):
         table.sandbox = start_sandbox(config)

@@ -128,6 +128,8 @@ def test_ppo_with_critic_and_reference_services_learns_then_resumes(workspace):
         "schedule.steps=12",
         "schedule.eval_every=6",
         "schedule.checkpoint_every=6",
+        # one rank per role (ZeRO-3 over two ranks: the GRPO test, chaos; two critic ranks: Ray's PPO)
+        "learner.world_size=1",
     )
     res = _relayrl("run", str(exp), *over, cwd=root)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

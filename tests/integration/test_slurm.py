@@ -39,7 +39,7 @@ runs_dir: {runs}
 model: {{path: {model}}}
 data: {{train: {data}/train.parquet, test: {data}/test.parquet}}
 sampling: {{n: 8, temperature: 1.0, max_tokens: 24}}
-schedule: {{steps: {steps}, prompts_per_step: 16, max_staleness: 1, eval_every: 8, checkpoint_every: 1}}
+schedule: {{steps: {steps}, prompts_per_step: 16, max_staleness: 1, eval_every: 8, checkpoint_every: {every}}}
 services: {{deadline_seconds: 120, stop_grace_seconds: 20}}
 learner: {{world_size: 1, optim: {{lr: 2.0e-4}}}}
 generator: {{engine: {{dtype: float32, max_model_len: 512, kv_cache_gib: 0.25}}}}
@@ -157,9 +157,11 @@ def test_two_jobs_train_side_by_side_and_one_survives_scancel_and_requeue(cluste
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         exp = tmp_path / name / "exp.yaml"
+        # B checkpoints every step: it is cancelled and requeued mid-run
         exp.write_text(textwrap.dedent(EXPERIMENT.format(
             name=f"slurm{name}", runs=tmp_path / name / "runs", model=reverse_assets / "model",
-            data=reverse_assets / "data", steps=STEPS if name == "a" else STEPS_B)))  # fmt: skip
+            data=reverse_assets / "data", steps=STEPS if name == "a" else STEPS_B,
+            every=8 if name == "a" else 1)))  # fmt: skip
         work[name] = exp
     stale = secrets_of(tmp_path / "a", "4000000")  # a job Slurm no longer knows, killed outright
     a = sbatch(env, tmp_path / "a", str(work["a"]))

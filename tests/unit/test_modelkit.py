@@ -110,7 +110,7 @@ def test_cli_sft_warm_start_learns_the_task(tmp_path):
             "--task",
             "reverse",
             "--sft-steps",
-            "80",
+            "50",
             "--seed",
             "0",
         ],
@@ -120,7 +120,7 @@ def test_cli_sft_warm_start_learns_the_task(tmp_path):
     )
     assert res.returncode == 0, res.stderr[-3000:]
     card = json.loads((out / "relayrl_model.json").read_text())
-    assert card["sft_steps"] == 80 and card["sft_task"] == "reverse"
+    assert card["sft_steps"] == 50 and card["sft_task"] == "reverse"
     assert card["sft_final_loss"] < 0.5
     assert card["sft_heldout_exact"] >= 0.3, card
     assert "held-out greedy exact" in res.stdout

@@ -102,11 +102,10 @@ def test_an_environment_of_another_ecosystem_trains_three_steps_from_a_config(
     if standard == "verifiers":
         if shutil.which("bwrap") is None:
             pytest.skip("verifiers' rollouts run in the sandbox: bubblewrap not installed")
-        from tests.unit.test_env_verifiers import _wheels
+        from tests.kit.agent_wheels import agent_wheels, offline
 
-        reqs.write_text(
-            f"--no-index\n--find-links {_wheels()}\n" + (VERIFIERS_KIT / "requirements.txt").read_text()
-        )
+        listed = VERIFIERS_KIT / "requirements.txt"
+        reqs.write_text(offline(agent_wheels(listed)) + listed.read_text())
         # each rollout a job of its own that imports verifiers (~3 CPU-s): 1 prompt x n 2 a step;
         # a black-box episode may be several samples: a group baseline, not per-token returns
         overrides = ["services.gateway_replicas=1", "schedule.prompts_per_step=1", "sampling.n=2"]

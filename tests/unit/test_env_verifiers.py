@@ -7,9 +7,7 @@ A run's data listed from a taskset, and a run that trains on one: test_env_stand
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -18,6 +16,8 @@ from relayrl.common.sandbox import RunResult, Verdict
 from relayrl.env.base import Action, GatewayEndpoint, Outcome, TaskError
 from relayrl.env.config import EnvConfig, VerifiersEnvSpec
 from relayrl.env.verifiers import VerifiersEnv, env_data, verifiers_env
+
+from tests.kit.agent_wheels import agent_wheels, offline
 
 ROOT = Path(__file__).resolve().parents[2]
 KIT = ROOT / "tests" / "kit" / "verifiers_envs"
@@ -109,26 +109,11 @@ def test_the_rubrics_reward_is_the_episodes_and_a_rollout_without_one_is_masked(
         assert got.outcome == Outcome.MASK and got.failure_kind == "agent_failed", (stdout, got)
 
 
-def _wheels() -> Path:
-    """Where ``scripts/test.sh`` put verifiers' wheels for the sandbox's interpreter."""
-    from relayrl.common.sandbox.packages import interpreter_version
-    from relayrl.common.sandbox.runner import resolve_python
-
-    reqs = (KIT / "requirements.txt").read_bytes()
-    cache = Path(os.environ.get("RELAYRL_TEST_CACHE", Path.home() / ".cache" / "relayrl-tests"))
-    version = interpreter_version(resolve_python(""))
-    folder = cache / "agent-wheels" / f"py{version}-{hashlib.sha256(reqs).hexdigest()[:12]}"
-    if not (folder / ".complete").exists():
-        pytest.skip(f"no verifiers wheels in {folder}: the test command (scripts/test.sh) fetches them")
-    return folder
-
-
 @pytest.fixture(scope="module")
 def offline_requirements(tmp_path_factory) -> Path:
     """verifiers from the wheels test.sh fetched, nothing from the network."""
-    wheels = _wheels()
     path = tmp_path_factory.mktemp("vf") / "requirements.txt"
-    path.write_text(f"--no-index\n--find-links {wheels}\n" + (KIT / "requirements.txt").read_text())
+    path.write_text(offline(agent_wheels(KIT / "requirements.txt")) + (KIT / "requirements.txt").read_text())
     return path
 
 

@@ -17,7 +17,6 @@ here or fetched by ``scripts/test.sh``, the test command, beforehand.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import shutil
@@ -29,10 +28,10 @@ from pathlib import Path
 import pytest
 from relayrl.common.sandbox import PackagesError, Sandbox
 from relayrl.common.sandbox.packages import install, interpreter_version
-from relayrl.common.sandbox.runner import resolve_python
 from relayrl.env.base import Action, EnvUnavailable, GatewayEndpoint, Outcome
 from relayrl.env.harness import CalcHarnessEnv
 
+from tests.kit.agent_wheels import agent_wheels, offline
 from tests.kit.openai_fake import FakeOpenAI, answer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,10 +56,6 @@ def make_wheel(
             z.writestr(p, text)
         z.writestr(f"{dist}/RECORD", "".join(f"{p},,\n" for p in [*files, f"{dist}/RECORD"]))
     return path
-
-
-def offline(wheels: Path, *requirements: str) -> str:
-    return "\n".join(["--no-index", f"--find-links {wheels}", *requirements]) + "\n"
 
 
 @pytest.fixture
@@ -182,24 +177,13 @@ def test_a_folder_agent_imports_its_packages_in_the_sandbox_and_cannot_write_the
     assert seen == {"value": 42, "where": "/opt/relayrl/packages/agentlib", "wrote": "OSError"}
 
 
-def _agent_wheels() -> Path:
-    """Where ``scripts/test.sh`` put the LangChain agent's wheels for the sandbox's interpreter."""
-    reqs = (LANGCHAIN_AGENT / "requirements.txt").read_bytes()
-    cache = Path(os.environ.get("RELAYRL_TEST_CACHE", Path.home() / ".cache" / "relayrl-tests"))
-    version = interpreter_version(resolve_python(""))
-    folder = cache / "agent-wheels" / f"py{version}-{hashlib.sha256(reqs).hexdigest()[:12]}"
-    if not (folder / ".complete").exists():
-        pytest.skip(f"no agent wheels in {folder}: the test command (scripts/test.sh) fetches them")
-    return folder
-
-
 @needs_bwrap
 def test_a_langchain_agent_plays_calc_in_the_sandbox_through_the_gateway_token_for_token(tmp_path, sandbox):
     from relayrl.env import arith
 
     from tests.kit.agent_stack import ANSWER, QUESTION, segments_are_the_sampled_tokens, stack
 
-    wheels = _agent_wheels()
+    wheels = agent_wheels(LANGCHAIN_AGENT / "requirements.txt")
     folder = tmp_path / "agent"
     shutil.copytree(LANGCHAIN_AGENT, folder)
     shutil.copy(arith.__file__, folder / "arith.py")

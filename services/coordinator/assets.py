@@ -112,11 +112,9 @@ def verifiers_rows(cfg: ExperimentConfig, split: str, n: int) -> list[dict]:
         print(f"listing the tasks of verifiers taskset {spec.taskset} ...", flush=True)
         reqs = Path(spec.requirements or vfc.DEFAULT_REQUIREMENTS).read_text()
         env = vfc.env_data(spec.taskset, spec.taskset_args, spec.harness, spec.max_turns)
-        files = {vfc.CHAT_HARNESS.name: str(vfc.CHAT_HARNESS)}
-        if spec.folder:
-            files.update({p.name: str(p) for p in sorted(Path(spec.folder).glob("*.py"))})
         root = Path(box.packages_dir) if box.packages_dir else default_root()
         python = resolve_python(box.python)
+        files = vfc.job_files(spec.folder)
         _LISTED[key] = vfc.list_tasks(env, files, reqs, key[1], python, root, box.packages_timeout_seconds)
     return vfc.task_rows(_LISTED[key], name, n, gen.seed, split, gen.n_test)
 

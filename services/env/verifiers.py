@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import Any, ClassVar
 
 from relayrl.common import verifiers as vfc
 from relayrl.common.sandbox import RunResult, SandboxLimits
 from relayrl.env.base import EnvUnavailable, Outcome, Reward, TaskError, prompt_messages
 from relayrl.env.config import VerifiersEnvSpec
-from relayrl.env.harness import MAX_FOLDER_FILES, HarnessEnv
+from relayrl.env.harness import HarnessEnv
 
 MAX_COMPONENTS = 64
 """Most reward functions a report may score by name."""
@@ -45,27 +44,8 @@ def requirements_file(spec: VerifiersEnvSpec) -> str:
     return spec.requirements or str(vfc.DEFAULT_REQUIREMENTS)
 
 
-def agent_files(spec: VerifiersEnvSpec) -> dict[str, str]:
-    """Files beside the agent in its job: relayrl's chat harness, then the folder's modules."""
-    files = {vfc.CHAT_HARNESS.name: str(vfc.CHAT_HARNESS)}
-    if spec.folder:
-        modules = sorted(Path(spec.folder).glob("*.py"))
-        if len(modules) > MAX_FOLDER_FILES:
-            raise ValueError(f"env.verifiers {spec.name}: at most {MAX_FOLDER_FILES} modules in folder")
-        files.update({p.name: str(p) for p in modules})
-    return files
-
-
 def env_data(spec: VerifiersEnvSpec) -> dict[str, Any]:
     return vfc.env_data(spec.taskset, spec.taskset_args, spec.harness, spec.max_turns)
-
-
-def list_tasks(
-    spec: VerifiersEnvSpec, n: int, python: str, packages_root: Path | None, timeout: float
-) -> list[dict]:
-    """The first ``n`` tasks of the spec's taskset (``relayrl.common.verifiers.list_tasks``)."""
-    text = Path(requirements_file(spec)).read_text()
-    return vfc.list_tasks(env_data(spec), agent_files(spec), text, n, python, packages_root, timeout)
 
 
 class VerifiersEnv(HarnessEnv):
@@ -145,7 +125,7 @@ def verifiers_env(spec: VerifiersEnvSpec) -> type[VerifiersEnv]:
         "name": spec.name,
         "description": f"verifiers taskset {spec.taskset}: its own rollout and rubric, through the gateway",
         "spec": spec,
-        "agent_files": agent_files(spec),
+        "agent_files": vfc.job_files(spec.folder),
         "agent_requirements": requirements_file(spec),
         "agent_seconds": spec.agent_seconds,
         "agent_limits": limits,

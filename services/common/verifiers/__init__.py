@@ -39,6 +39,22 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+MAX_FOLDER_MODULES = 64
+"""Most modules a taskset's folder may hand each job."""
+
+
+def job_files(folder: str) -> dict[str, str]:
+    """Files beside the agent in a job (name -> host path): relayrl's chat harness, then the
+    modules of the taskset's ``folder`` (empty: none)."""
+    files = {CHAT_HARNESS.name: str(CHAT_HARNESS)}
+    if folder:
+        modules = sorted(Path(folder).glob("*.py"))
+        if len(modules) > MAX_FOLDER_MODULES:
+            raise ValueError(f"a verifiers folder holds at most {MAX_FOLDER_MODULES} modules: {folder}")
+        files.update({p.name: str(p) for p in modules})
+    return files
+
+
 def env_data(taskset: str, taskset_args: Mapping[str, Any], harness: str, max_turns: int) -> dict[str, Any]:
     """verifiers' EnvConfig data (``agent.py`` adds the runtime, and its harness when none).
 

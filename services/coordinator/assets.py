@@ -10,7 +10,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from relayrl.coordinator.config import EPISODE_WARM_STARTS, VERIFIERS_DATA, ExperimentConfig, TinyModelSpec
+from relayrl.common.verifiers import DATA_PREFIX as VERIFIERS_DATA_PREFIX
+from relayrl.coordinator.config import EPISODE_WARM_STARTS, ExperimentConfig, TinyModelSpec
 from relayrl.coordinator.records.trackers import missing_packages
 
 
@@ -51,7 +52,7 @@ def prepare(cfg: ExperimentConfig, stop: Callable[[], bool] | None = None) -> bo
             from relayrl.common.data.dataset import write_rows
             from relayrl.common.data.tasks import GenerationStopped, generate_rows
 
-            if spec.task.startswith(VERIFIERS_DATA):
+            if spec.task.startswith(VERIFIERS_DATA_PREFIX):
                 write_rows(verifiers_rows(cfg, split, n), path)
                 continue
             try:
@@ -104,7 +105,7 @@ def verifiers_rows(cfg: ExperimentConfig, split: str, n: int) -> list[dict]:
     from relayrl.common.sandbox.runner import resolve_python
 
     gen = cfg.data.generate
-    name = gen.task.removeprefix(VERIFIERS_DATA)
+    name = gen.task.removeprefix(VERIFIERS_DATA_PREFIX)
     spec = next(v for v in cfg.env.verifiers if v.name == name)
     box = cfg.env.sandbox
     key = (name, gen.n_train + gen.n_test)

@@ -15,6 +15,7 @@ from relayrl.common.config import StrictModel
 from relayrl.common.data.gym import is_gym
 from relayrl.common.data.tasks import TASKS
 from relayrl.common.serving import ClientSecurity, ServeConfig
+from relayrl.common.verifiers import DATA_PREFIX as VERIFIERS_DATA_PREFIX
 from relayrl.coordinator.launch.ray.config import RaySection
 from relayrl.env.config import EnvConfig
 from relayrl.gateway.config import GatewayConfig
@@ -28,11 +29,6 @@ GYM_SCORER = "relayrl.reward.gym:score"
 """The reward plugin that scores reasoning-gym tasks (``data.generate.task: reasoning_gym/<name>``)."""
 """What a tiny model may be warm-started on: a data kit task, or an env whose warm start is on its
 episodes of a data kit task (``pyexec``: calc's rows, a python tool)."""
-
-
-VERIFIERS_DATA = "verifiers/"
-"""``data.generate.task: verifiers/<name>``: the tasks of ``env.verifiers``'s ``name``
-(``relayrl.common.verifiers.DATA_PREFIX``)."""
 
 
 class TinyModelSpec(StrictModel):
@@ -105,7 +101,7 @@ class TaskDataSpec(StrictModel):
     def _known_params(self) -> TaskDataSpec:
         from relayrl.common.data.tasks import generate
 
-        if self.task.startswith(VERIFIERS_DATA):
+        if self.task.startswith(VERIFIERS_DATA_PREFIX):
             if self.params:
                 raise ValueError(
                     "data.generate.params: a verifiers taskset takes its own (env.verifiers.taskset_args)"
@@ -511,8 +507,8 @@ class ExperimentConfig(StrictModel):
                 f"({self.services.deadline_seconds:g}): a session waits that long for a turn's Generate"
             )
         gen = self.data.generate
-        if gen is not None and gen.task.startswith(VERIFIERS_DATA):
-            name = gen.task.removeprefix(VERIFIERS_DATA)
+        if gen is not None and gen.task.startswith(VERIFIERS_DATA_PREFIX):
+            name = gen.task.removeprefix(VERIFIERS_DATA_PREFIX)
             if name not in {v.name for v in self.env.verifiers}:
                 raise ValueError(f"data.generate.task {gen.task!r}: env.verifiers has no env named {name!r}")
         if (

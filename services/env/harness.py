@@ -211,13 +211,17 @@ class HarnessEnv(Env):
         """(failure kind, reason) when the agent's run is no evidence: Close masks."""
         self.forwarder: GatewayForwarder | None = None
 
-    def reset(self, task: dict, seed: int) -> list[dict]:
-        if self.task_env is None:
-            raise TypeError(f"{type(self).__name__} names no task_env")
+    def check_reset(self) -> None:
+        """What every Reset of a harness env needs: the replica's sandbox, and a gateway."""
         if self.sandbox is None:
             raise EnvUnavailable(f"{self.name}: this replica runs no sandbox", "sandbox_unavailable")
         if self.gateway is None:
             raise TaskError(f"{self.name} runs a black-box agent: the Reset must carry a gateway")
+
+    def reset(self, task: dict, seed: int) -> list[dict]:
+        if self.task_env is None:
+            raise TypeError(f"{type(self).__name__} names no task_env")
+        self.check_reset()
         self.task = self.task_env()
         self.task.limits = self.limits
         self.first_messages = self.task.reset(task, seed)

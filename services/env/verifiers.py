@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 from relayrl.common import verifiers as vfc
 from relayrl.common.sandbox import RunResult, SandboxLimits
-from relayrl.env.base import EnvUnavailable, Outcome, Reward, TaskError, prompt_messages
+from relayrl.env.base import Outcome, Reward, TaskError, prompt_messages
 from relayrl.env.config import VerifiersEnvSpec
 from relayrl.env.harness import HarnessEnv
 
@@ -61,10 +61,7 @@ class VerifiersEnv(HarnessEnv):
         self.result: Reward | None = None
 
     def reset(self, task: dict, seed: int) -> list[dict]:
-        if self.sandbox is None:
-            raise EnvUnavailable(f"{self.name}: this replica runs no sandbox", "sandbox_unavailable")
-        if self.gateway is None:
-            raise TaskError(f"{self.name} runs verifiers' rollout: the Reset must carry a gateway")
+        self.check_reset()
         index, ident = task.get("task_index"), task.get("task_id")
         if isinstance(index, int) and not isinstance(index, bool) and 0 <= index < 1 << 31:
             self.selector = {"index": index}

@@ -37,6 +37,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.integration.test_e2e import _relayrl
+
 pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(3600)]
 
 SEED = int(os.environ.get("RELAYRL_CHAOS_SEED", "0"))
@@ -242,13 +244,6 @@ def _settle(case: Case, run: Run, run_dir: Path, at: float, services: list[psuti
             return "on"
 
 
-def _relayrl(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    """A ``relayrl`` client command (it finds the coordinator through ``runs/coordinator.addr``)."""
-    return subprocess.run(
-        [sys.executable, "-m", "relayrl.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=60
-    )
-
-
 def _expected_prompts(exp: Path, steps: int) -> list[list[str]]:
     """The prompts of steps 1..steps in the data's seeded order, as the loop draws them."""
     from relayrl.common.data.dataset import load_rows
@@ -303,15 +298,15 @@ def test_every_fault_either_passes_or_stops_named_and_the_resume_loses_nothing(t
         assert _wait_steps(run, run_dir, 2, timeout=300), run.text()[-3000:]
         services = run.services()
         assert len(services) >= 3, "learner, generator and reward should be running"
-        shown = _relayrl(tmp_path, "status").stdout
+        shown = _relayrl("status", cwd=tmp_path, timeout=60).stdout
         assert f"{run_dir.name}  running" in shown, shown
-        assert run_dir.name in _relayrl(tmp_path, "list").stdout
-        stopped = _relayrl(tmp_path, "stop", run_dir.name)
+        assert run_dir.name in _relayrl("list", cwd=tmp_path, timeout=60).stdout
+        stopped = _relayrl("stop", run_dir.name, cwd=tmp_path, timeout=60)
         assert stopped.returncode == 0 and "stopping" in stopped.stdout, stopped.stdout + stopped.stderr
         assert run.proc.wait(timeout=120) == 0, run.text()[-3000:]
         _gone, alive = psutil.wait_procs(services, timeout=30)
         assert not alive, f"left running after the stop: {[_cmd(p) for p in alive]}"
-        gone = _relayrl(tmp_path, "status", "nope")
+        gone = _relayrl("status", "nope", cwd=tmp_path, timeout=60)
         assert gone.returncode != 0  # the coordinator left with its run: no address any more
     finally:
         if run.proc.poll() is None:

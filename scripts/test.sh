@@ -8,13 +8,13 @@ bash scripts/install.sh >/dev/null
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1
-# What the sandbox tests run with packages of its own (the LangChain agent, tests/kit/agents/
+# What the sandbox tests run with packages of its own (the LangChain agent, examples/agents/
 # langchain_calc; verifiers environments, tests/kit/verifiers_envs) needs its wheels for the
 # sandbox's interpreter (Debian's python3): fetched here, once, as the install is; the tests
 # themselves reach nothing past loopback (tests/unit/test_harness_packages.py).
 sandbox_py="$(/usr/bin/python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null \
   || /usr/local/bin/python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || true)"
-for agent_reqs in tests/kit/agents/langchain_calc/requirements.txt tests/kit/verifiers_envs/requirements.txt; do
+for agent_reqs in examples/agents/langchain_calc/requirements.txt tests/kit/verifiers_envs/requirements.txt; do
   wheels="${RELAYRL_TEST_CACHE:-$HOME/.cache/relayrl-tests}/agent-wheels/py$sandbox_py-$(sha256sum "$agent_reqs" | cut -c1-12)"
   if [ -n "$sandbox_py" ] && [ ! -e "$wheels/.complete" ]; then
     python -m pip download --quiet --disable-pip-version-check --only-binary=:all: --python-version "$sandbox_py" \

@@ -16,9 +16,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-# Agent programs for the sandbox (tests/kit/agents): run there with their own requirements, never
+# Programs for the sandbox (verifiers tasksets): run there with their own requirements, never
 # imported by pytest's doctest collection.
-collect_ignore_glob = ["kit/agents/*", "kit/verifiers_envs/*"]
+collect_ignore_glob = ["kit/verifiers_envs/*"]
 
 
 def _has_cuda() -> bool:

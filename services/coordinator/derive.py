@@ -12,6 +12,7 @@ from relayrl.common import config as cfg
 from relayrl.common.serving import ClientSecurity
 from relayrl.coordinator import algorithms
 from relayrl.coordinator.config import LEARNER_ROLES, ExperimentConfig
+from relayrl.env.config import resolved
 from relayrl.learner.config import LearnerConfig
 
 
@@ -37,6 +38,7 @@ def resolve_paths(exp: ExperimentConfig, base: Path | None) -> ExperimentConfig:
     }
     exp = exp.model_copy(update=updates)
     _resolve_security_paths(exp, rel)
+    _resolve_env_paths(exp, base)
     if not exp.generator.engine.model:
         exp.generator.engine.model = exp.model.path
     if not exp.learner.model:
@@ -54,6 +56,18 @@ def resolve_paths(exp: ExperimentConfig, base: Path | None) -> ExperimentConfig:
     _lora_serving(exp)
     _fill_roles(exp)
     return exp
+
+
+def _resolve_env_paths(exp: ExperimentConfig, base: Path) -> None:
+    """The agents' and verifiers environments' folders and requirements files, relative to the
+    experiment file, made absolute and checked (the env replica may start in another folder)."""
+    for kind in ("verifiers", "agents"):
+        for i, spec in enumerate(getattr(exp.env, kind)):
+            for field in ("folder", "requirements"):
+                try:
+                    setattr(spec, field, resolved(getattr(spec, field), f"env.{kind}.{i}.{field}", base))
+                except ValueError as e:
+                    raise cfg.ConfigError(str(e)) from None
 
 
 def _lora_serving(exp: ExperimentConfig) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from decimal import Decimal, InvalidOperation
 
+from relayrl.env import arith
 from relayrl.env.arith import MAX_EXPRESSION_CHARS, evaluate, format_number, last_number
 from relayrl.env.base import Reward, TaskError, ground_truth, prompt_messages
 from relayrl.env.tools import ToolEnv, tool
@@ -51,6 +52,7 @@ class CalcEnv(CalcTask, ToolEnv):
     name = "calc"
     description = "Arithmetic questions with a calc(expression) tool; reward 1 for the right final number."
     max_turns = 4
+    agent_kit = {"arith.py": arith.__file__}
     SYSTEM = (
         "You can call the calc tool to evaluate an arithmetic expression. "
         "When you know the answer, reply with the number."

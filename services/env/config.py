@@ -3,12 +3,43 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from relayrl.common.config import StrictModel, plugin_refs
 from relayrl.common.sandbox.limits import SandboxConfig
 from relayrl.common.serving import ServeConfig
+
+
+def checked_path(v: str, field: str) -> str:
+    """A ``folder`` or ``requirements`` field: an absolute path is checked here (a folder, a
+    file); a relative one is left as written, for the experiment's loader to resolve against the
+    experiment file's folder (``relayrl.coordinator.derive``), a standalone replica against its
+    working folder, and checked there (``resolved``)."""
+    if not v or not Path(v).expanduser().is_absolute():
+        return v
+    return resolved(v, field, Path.cwd())
+
+
+def resolved(v: str, field: str, base: Path) -> str:
+    """``v`` made absolute under ``base`` and checked: ``folder`` a folder, any other field a file.
+
+    >>> resolved("/", "folder", Path("/tmp"))
+    '/'
+    >>> resolved("nope.txt", "requirements", Path("/"))
+    Traceback (most recent call last):
+    ...
+    ValueError: requirements: 'nope.txt' is not a file (/nope.txt)
+    """
+    if not v:
+        return v
+    path = (base / Path(v).expanduser()).resolve()
+    if field.endswith("folder") and not path.is_dir():
+        raise ValueError(f"{field}: {v!r:.200} is not a folder ({str(path):.200})")
+    if not field.endswith("folder") and not path.is_file():
+        raise ValueError(f"{field}: {v!r:.200} is not a file ({str(path):.200})")
+    return str(path)
 
 
 class OpenEnvServer(StrictModel):
@@ -63,18 +94,42 @@ class VerifiersEnvSpec(StrictModel):
 
     @field_validator("folder", "requirements")
     @classmethod
-    def _absolute(cls, v: str, info) -> str:
-        """Made absolute where the config is read: the env replica may start elsewhere."""
-        from pathlib import Path
+    def _paths(cls, v: str, info: ValidationInfo) -> str:
+        return checked_path(v, info.field_name)
 
-        if not v:
-            return v
-        path = Path(v).expanduser().resolve()
-        if info.field_name == "folder" and not path.is_dir():
-            raise ValueError(f"{v!r:.200} is not a folder")
-        if info.field_name == "requirements" and not path.is_file():
-            raise ValueError(f"{v!r:.200} is not a file")
-        return str(path)
+
+class AgentEnvSpec(StrictModel):
+    """A black-box agent from a folder (``agent.py``, its modules, ``requirements.txt``: an agent
+    written with LangChain, pydantic-ai, the Agents SDK...) playing a task env's episodes in the
+    replica's sandbox, the gateway its only network (``relayrl.env.harness.agent_env``): what a
+    ``HarnessEnv`` subclass with ``agent_folder`` does, from the config alone."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+    """The env's name here: what ``episodes.env`` names."""
+    task: str = Field(..., pattern=r"^[A-Za-z0-9_.:-]{1,256}$")
+    """The env whose Reset gives the first messages and tools and whose reward scores the agent's
+    final answer: a built-in tool env's name (``calc``, ``pyexec``) or a ``module:Class`` of a
+    ``relayrl.env.tools.ToolEnv`` subclass. The job also gets the task's own modules for agents
+    (calc: ``arith.py``, its calculator)."""
+    folder: str = Field(..., min_length=1, max_length=4096)
+    """The agent's folder: ``agent.py`` (run under the sandbox's python3 with the OPENAI_*
+    variables set; it prints the harness's report line), its modules (``*.py``) and, optionally,
+    ``requirements.txt``. Relative: to the experiment file's folder."""
+    requirements: str = Field("", max_length=4096)
+    """A requirements file used instead of the folder's (pip's format, its options too:
+    ``--no-index --find-links`` for wheels offline); installed once per replica host for the
+    sandbox's interpreter. Empty: the folder's ``requirements.txt``, if any."""
+    max_turns: int | None = Field(None, ge=1, le=1000)
+    """Most model calls the agent may make (``max_turns`` of its stdin); None: the task's."""
+    agent_seconds: float = Field(240.0, gt=0, le=600)
+    """Wall-clock limit of an episode's run (cut to the step's deadline); past it: masked."""
+    memory_mb: int = Field(1024, ge=256, le=1 << 20)
+    """Address space of each process of the agent's job."""
+
+    @field_validator("folder", "requirements")
+    @classmethod
+    def _paths(cls, v: str, info: ValidationInfo) -> str:
+        return checked_path(v, info.field_name)
 
 
 class EnvConfig(StrictModel):
@@ -100,6 +155,9 @@ class EnvConfig(StrictModel):
     verifiers: list[VerifiersEnvSpec] = Field(default_factory=list)
     """verifiers environments: the replica installs each one's requirements for its sandbox's
     interpreter at start (minutes the first time on a host, then reused)."""
+    agents: list[AgentEnvSpec] = Field(default_factory=list)
+    """Black-box agents from folders (a framework's agent), each playing a task env's episodes in
+    the sandbox through the gateway; their requirements are installed at start, as verifiers'."""
     max_sessions: int = Field(1024, ge=1, le=1_000_000)
     """Most sessions open at once; a Reset past it is RESOURCE_EXHAUSTED (retry later or
     elsewhere)."""
@@ -141,9 +199,9 @@ class EnvConfig(StrictModel):
 
     @model_validator(mode="after")
     def _weights(self) -> EnvConfig:
-        names = [o.name for o in self.openenv]
+        names = [o.name for o in [*self.openenv, *self.verifiers, *self.agents]]
         if len(set(names)) != len(names):
-            raise ValueError(f"openenv: names must differ, got {names}")
+            raise ValueError(f"openenv, verifiers, agents: names must differ, got {names}")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ValueError(
                 f"reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward_funcs"

@@ -67,6 +67,7 @@ from urllib.parse import urlsplit, urlunsplit
 from relayrl.common.sandbox import PackagesError, RunResult, SandboxLimits, SandboxUnavailable, Verdict
 from relayrl.env.base import Action, Env, EnvUnavailable, Outcome, Reward, StepAnswer, TaskError
 from relayrl.env.calc import CalcEnv
+from relayrl.env.config import AgentEnvSpec, resolved
 from relayrl.env.forward import GatewayForwarder
 from relayrl.env.tools import ToolEnv, cut
 
@@ -144,8 +145,9 @@ class HarnessEnv(Env):
     and mounted read-only at ``PACKAGES`` in each job, on the agent's ``sys.path``."""
     agent_folder: ClassVar[str] = ""
     """A folder holding the agent: ``agent.py``, the modules beside it (``*.py``, at most
-    ``MAX_FOLDER_FILES``) and ``requirements.txt``; sets ``agent_program``, ``agent_files`` and
-    ``agent_requirements`` where the class leaves them unset."""
+    ``MAX_FOLDER_FILES``) and ``requirements.txt``; sets ``agent_program``, ``agent_files`` (the
+    folder's modules, and the task env's ``agent_kit``) and ``agent_requirements`` where the class
+    leaves them unset."""
     agent_turns: ClassVar[int | None] = None
     """Most model calls the agent may make (``max_turns`` of its stdin); None: the task env's
     ``max_turns``, as many as the white-box episode has."""
@@ -345,7 +347,8 @@ def _from_folder(cls: type[HarnessEnv]) -> None:
     if "agent_program" not in vars(cls):
         cls.agent_program = str(folder / "agent.py")
     if "agent_files" not in vars(cls):
-        cls.agent_files = {p.name: str(p) for p in modules}
+        kit = cls.task_env.agent_kit if cls.task_env is not None else {}
+        cls.agent_files = {**kit, **{p.name: str(p) for p in modules}}
     if "agent_requirements" not in vars(cls) and (folder / "requirements.txt").is_file():
         cls.agent_requirements = str(folder / "requirements.txt")
 
@@ -358,4 +361,25 @@ class CalcHarnessEnv(HarnessEnv):
     )
     task_env = CalcEnv
     agent_program = str(AGENTS / "calc_agent.py")
-    agent_files = {"arith.py": str(HERE / "arith.py")}
+    agent_files = CalcEnv.agent_kit
+
+
+def agent_env(spec: AgentEnvSpec, task: type[ToolEnv]) -> type[HarnessEnv]:
+    """The env class of one ``env.agents`` entry: ``spec``'s agent folder playing ``task``'s
+    episodes (relative paths against the working folder; ``ValueError`` names what is wrong)."""
+    folder = resolved(spec.folder, "folder", Path.cwd())
+    attrs: dict[str, Any] = {
+        "name": spec.name,
+        "description": f"{task.name} played by the agent in {folder} (sandboxed, through the gateway)",
+        "__module__": __name__,
+        "task_env": task,
+        "agent_folder": folder,
+        "agent_turns": spec.max_turns,
+        "agent_seconds": spec.agent_seconds,
+        "agent_limits": HarnessEnv.agent_limits.model_copy(
+            update={"cpu_seconds": spec.agent_seconds, "memory_mb": spec.memory_mb}
+        ),
+    }
+    if spec.requirements:
+        attrs["agent_requirements"] = resolved(spec.requirements, "requirements", Path.cwd())
+    return type(f"Agent_{spec.name}", (HarnessEnv,), attrs)

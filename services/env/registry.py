@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from relayrl.env.adapters import is_trl_style, trl_env
 from relayrl.env.base import Env, EnvUnavailable
 from relayrl.env.calc import CalcEnv
-from relayrl.env.config import OpenEnvServer, VerifiersEnvSpec
+from relayrl.env.config import AgentEnvSpec, OpenEnvServer, VerifiersEnvSpec
 from relayrl.env.guess import GuessEnv
+from relayrl.env.harness import HarnessEnv, agent_env
 from relayrl.env.openenv import openenv_env
+from relayrl.env.tools import ToolEnv
 from relayrl.env.verifiers import verifiers_env
 
 BUILTINS: tuple[type[Env], ...] = (CalcEnv, GuessEnv)
@@ -95,51 +97,69 @@ def load_plugin(
     raise PluginError(f"plugin {ref}: not an Env subclass nor a TRL environment class (one with reset)")
 
 
+def task_env(ref: str) -> type[ToolEnv]:
+    """The task an ``env.agents`` entry plays: a built-in tool env's name (``calc``, ``pyexec``)
+    or ``module:Class`` of a ``ToolEnv`` subclass; PluginError otherwise."""
+    builtins = {c.name: c for c in BUILTINS}
+    if ref in builtins:
+        cls: object = builtins[ref]
+    else:
+        target = ON_REQUEST.get(ref, ref)
+        module, _, name = target.partition(":")
+        if not name:
+            known = ", ".join(sorted(c.name for c in BUILTINS if issubclass(c, ToolEnv)) + ["pyexec"])
+            raise PluginError(f"task {ref!r:.80}: neither a built-in tool env ({known}) nor module:Class")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except Exception as e:  # ImportError, AttributeError, or whatever the module raises on import
+            raise PluginError(f"task {ref}: cannot load: {type(e).__name__}: {e}") from e
+    if not (inspect.isclass(cls) and issubclass(cls, ToolEnv)) or issubclass(cls, HarnessEnv):
+        raise PluginError(f"task {ref!r:.80}: an agent plays a ToolEnv's episodes, not {cls!r:.80}")
+    return cls
+
+
 def build_registry(
     plugins: Sequence[str],
     reward_funcs: Sequence[str] = (),
     weights: Sequence[float] | None = None,
     openenv: Sequence[OpenEnvServer] = (),
     verifiers: Sequence[VerifiersEnvSpec] = (),
+    agents: Sequence[AgentEnvSpec] = (),
 ) -> dict[str, EnvSpec]:
-    """Built-ins, then plugins, then OpenEnv servers (``EnvConfig.openenv``), then verifiers
-    environments (``EnvConfig.verifiers``), by name (TRL classes scored with ``reward_funcs``).
-    Plugins may live in modules next to where the service was started (its working folder is
-    searched last)."""
+    """Built-ins, then plugins, then OpenEnv servers (``EnvConfig.openenv``), verifiers
+    environments (``EnvConfig.verifiers``) and agents from folders (``EnvConfig.agents``), by name
+    (TRL classes scored with ``reward_funcs``). Plugins may live in modules next to where the
+    service was started (its working folder is searched last)."""
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     specs = {c.name: EnvSpec(c.name, c, f"{c.__module__}:{c.__qualname__}", False) for c in BUILTINS}
-    for ref in plugins:
-        cls = load_plugin(ref, reward_funcs, weights)
+
+    def add(cls: type[Env], origin: str, what: str) -> None:
         prev = specs.get(cls.name)
         if prev is not None and prev.from_plugin:
-            raise PluginError(f"plugin {ref}: env {cls.name!r} is already served by {prev.origin}")
-        specs[cls.name] = EnvSpec(cls.name, cls, ref, True)
+            raise PluginError(f"{what}: env {cls.name!r} is already served by {prev.origin}")
+        specs[cls.name] = EnvSpec(cls.name, cls, origin, True)
+
+    for ref in plugins:
+        add(load_plugin(ref, reward_funcs, weights), ref, f"plugin {ref}")
     for server in openenv:
         try:
-            cls = _checked(
-                openenv_env(
-                    server.name,
-                    server.url,
-                    server.max_turns,
-                    server.description,
-                    server.connect_timeout_seconds,
-                ),
-                server.url,
+            cls = openenv_env(
+                server.name, server.url, server.max_turns, server.description, server.connect_timeout_seconds
             )
         except EnvUnavailable as e:
             raise PluginError(f"openenv {server.name}: {e}") from None
-        prev = specs.get(cls.name)
-        if prev is not None and prev.from_plugin:
-            raise PluginError(f"openenv {server.name}: env {cls.name!r} is already served by {prev.origin}")
-        specs[cls.name] = EnvSpec(cls.name, cls, server.url, True)
+        add(_checked(cls, server.url), server.url, f"openenv {server.name}")
     for vf in verifiers:
         try:
             cls = _checked(verifiers_env(vf), f"verifiers:{vf.taskset}")
         except ValueError as e:
             raise PluginError(f"verifiers {vf.name}: {e}") from None
-        prev = specs.get(cls.name)
-        if prev is not None and prev.from_plugin:
-            raise PluginError(f"verifiers {vf.name}: env {cls.name!r} is already served by {prev.origin}")
-        specs[cls.name] = EnvSpec(cls.name, cls, f"verifiers:{vf.taskset}", True)
+        add(cls, f"verifiers:{vf.taskset}", f"verifiers {vf.name}")
+    for agent in agents:
+        try:
+            cls = _checked(agent_env(agent, task_env(agent.task)), f"agent:{agent.folder}")
+        except (ValueError, TypeError, PluginError) as e:
+            raise PluginError(f"agents {agent.name}: {e}") from None
+        add(cls, f"agent:{agent.folder}", f"agents {agent.name}")
     return dict(sorted(specs.items()))

@@ -31,7 +31,12 @@ def build(config: EnvConfig) -> ServerHandle:
     env that runs the model's code is served and the sandbox's start-up probe fails, and what an
     env's ``prepare`` raises (``PackagesError``: its agent's requirements do not install)."""
     specs = build_registry(
-        config.plugins, config.reward_funcs, config.reward_weights, config.openenv, config.verifiers
+        config.plugins,
+        config.reward_funcs,
+        config.reward_weights,
+        config.openenv,
+        config.verifiers,
+        config.agents,
     )
     table = SessionTable(specs, config)
     if any(spec.cls.needs_sandbox for spec in specs.values()):

@@ -314,6 +314,9 @@ class ToolEnv(Env):
     expects_tools = True
     tool_methods: ClassVar[dict[str, str]] = {}
     """Tool name -> method name, collected from the ``@tool`` methods."""
+    agent_kit: ClassVar[dict[str, str]] = {}
+    """Modules the task offers a black-box agent that plays it (file name -> host path, standard
+    library only), copied beside the agent in its job, so that its tools answer as this env's do."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

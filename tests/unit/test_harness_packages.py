@@ -6,7 +6,7 @@ What is checked: an install is built once and reused (read-only, world-readable,
 requirements text); requirements that do not install are a ``PackagesError`` with pip's reason,
 raised by the replica's ``prepare`` (it does not start) and a REDO, never a reward, if an episode
 meets it; an agent imports its installed packages in the sandbox and cannot write them; and a
-LangChain agent (``tests/kit/agents/langchain_calc``, ``langchain-openai`` and its ~40 wheels
+LangChain agent (``examples/agents/langchain_calc``, ``langchain-openai`` and its ~40 wheels
 installed into the sandbox's Python) plays calc in the sandbox through a real gateway, its only
 network: one segment, no history break, exactly the sampled tokens, calc's reward.
 
@@ -29,13 +29,14 @@ import pytest
 from relayrl.common.sandbox import PackagesError, Sandbox
 from relayrl.common.sandbox.packages import install, interpreter_version
 from relayrl.env.base import Action, EnvUnavailable, GatewayEndpoint, Outcome
+from relayrl.env.calc import CalcEnv
 from relayrl.env.harness import CalcHarnessEnv
 
 from tests.kit.agent_wheels import agent_wheels, offline
 from tests.kit.openai_fake import FakeOpenAI, answer
 
 ROOT = Path(__file__).resolve().parents[2]
-LANGCHAIN_AGENT = ROOT / "tests" / "kit" / "agents" / "langchain_calc"
+LANGCHAIN_AGENT = ROOT / "examples" / "agents" / "langchain_calc"
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
 
 
@@ -179,17 +180,26 @@ def test_a_folder_agent_imports_its_packages_in_the_sandbox_and_cannot_write_the
 
 @needs_bwrap
 def test_a_langchain_agent_plays_calc_in_the_sandbox_through_the_gateway_token_for_token(tmp_path, sandbox):
-    from relayrl.env import arith
+    """The example's agent from the config alone (``env.agents``: task ``calc``, its folder, a
+    requirements file of offline wheels): calc's calculator reaches the job from the task's kit;
+    the model is asked exactly the prompt the white-box calc env renders (so a model warm-started
+    on calc's episodes is warm-started on what LangChain sends)."""
+    from relayrl.env.config import EnvConfig
+    from relayrl.env.registry import build_registry
 
     from tests.kit.agent_stack import ANSWER, QUESTION, segments_are_the_sampled_tokens, stack
 
     wheels = agent_wheels(LANGCHAIN_AGENT / "requirements.txt")
-    folder = tmp_path / "agent"
-    shutil.copytree(LANGCHAIN_AGENT, folder)
-    shutil.copy(arith.__file__, folder / "arith.py")
-    reqs = (LANGCHAIN_AGENT / "requirements.txt").read_text()
-    (folder / "requirements.txt").write_text(offline(wheels) + reqs)
-    cls = type("LangChainCalc", (CalcHarnessEnv,), {"name": "langchain-calc", "agent_folder": str(folder)})
+    reqs = tmp_path / "offline.txt"
+    reqs.write_text(offline(wheels) + (LANGCHAIN_AGENT / "requirements.txt").read_text())
+    spec = {
+        "name": "calc-langchain",
+        "task": "calc",
+        "folder": str(LANGCHAIN_AGENT),
+        "requirements": str(reqs),
+    }
+    cls = build_registry([], agents=EnvConfig(agents=[spec]).agents)["calc-langchain"].cls
+    assert set(cls.agent_files) == {"arith.py"} and cls.tools == CalcEnv.tools and cls.black_box
     box = Sandbox("full", workers=1)  # the default folder: installed once, reused by later runs
     task = {"prompt": QUESTION, "reward_model": {"ground_truth": ANSWER}, "data_source": "calc"}
 
@@ -213,3 +223,30 @@ def test_a_langchain_agent_plays_calc_in_the_sandbox_through_the_gateway_token_f
     assert env.task.transcript.tool_calls == 1 and env.task.transcript.turns == 2
     assert closed.calls == 2 and closed.history_breaks == 0 and len(closed.segments) == 1
     segments_are_the_sampled_tokens(closed, engine)
+    white_box = CalcEnv().reset(task, 0)
+    assert engine.sampled[0].prompt_ids == engine.chat_codec().render(white_box, CalcEnv.tools)
+
+
+def test_an_agent_entry_names_what_is_wrong(tmp_path):
+    from relayrl.env.config import EnvConfig
+    from relayrl.env.registry import PluginError, build_registry
+
+    def build(**kw):
+        spec = {"name": "a", "task": "calc", "folder": str(LANGCHAIN_AGENT), **kw}
+        return build_registry([], agents=EnvConfig(agents=[spec]).agents)
+
+    with pytest.raises(ValueError, match="folder: '/nonexistent/agent' is not a folder"):
+        build(folder="/nonexistent/agent")
+    with pytest.raises(PluginError, match=r"agents a: .*holds no agent.py"):
+        build(folder=str(tmp_path))
+    with pytest.raises(PluginError, match="neither a built-in tool env"):
+        build(task="nosuch")
+    with pytest.raises(PluginError, match="not <class 'relayrl.env.guess.GuessEnv'>"):
+        build(task="guess")
+    with pytest.raises(PluginError, match="not <class 'relayrl.env.harness.CalcHarnessEnv'>"):
+        build(task="calc-harness")
+    with pytest.raises(ValueError, match="names must differ"):
+        EnvConfig(agents=[{"name": "a", "task": "calc", "folder": str(LANGCHAIN_AGENT)}] * 2)
+    cls = build(task="pyexec", max_turns=3, agent_seconds=30, memory_mb=512)["a"].cls
+    assert cls.agent_turns == 3 and cls.agent_seconds == 30 and cls.agent_limits.memory_mb == 512
+    assert cls.agent_requirements == str(LANGCHAIN_AGENT / "requirements.txt") and cls.needs_sandbox

@@ -50,11 +50,9 @@ fi
 # --compile-bytecode: pip writes every module's .pyc at install, uv only when asked. Without them a
 # process with PYTHONDONTWRITEBYTECODE set (these machines, many containers) compiles torch, vLLM
 # and transformers from source at each start: the suite ran 1.5x slower.
-uv_args=(--python "$venv/bin/python" --quiet --compile-bytecode)
-for links in ${PIP_FIND_LINKS:-}; do uv_args+=(--find-links "$links"); done
-[ -z "${PIP_INDEX_URL:-}" ] || uv_args+=(--index-url "$PIP_INDEX_URL")
-# torch's index and PyPI both serve some packages: take the best version of either, as pip does
-[ -z "${PIP_EXTRA_INDEX_URL:-}" ] || uv_args+=(--extra-index-url "$PIP_EXTRA_INDEX_URL" --index-strategy unsafe-best-match)
+# shellcheck source=scripts/uv_index.sh
+. "$here/scripts/uv_index.sh"
+uv_args=(--python "$venv/bin/python" --quiet --compile-bytecode "${uv_index[@]}")
 editable=(-e "$here[cpu,dev]" --config-settings editable_mode=strict)
 if ! { python -m pip install --quiet "uv>=0.9" >/dev/null 2>&1 && python -m uv pip install "${uv_args[@]}" "${editable[@]}"; }; then
   echo "uv could not install; installing with pip (slower)" >&2

@@ -22,6 +22,17 @@ for agent_reqs in examples/agents/langchain_calc/requirements.txt tests/kit/veri
       || echo "the wheels of $agent_reqs could not be fetched: the tests that need them are skipped" >&2
   fi
 done
+# OpenEnv's MCP environments need openenv-core >= 0.2.3 (fastmcp 4, gradio), which relayrl's
+# services never import: the tests' MCP env server (tests/kit/openenv_mcp_calc.py) runs from a
+# folder of its own, installed here once (uv: seconds), under the base interpreter with -S.
+openenv_dir="${RELAYRL_TEST_CACHE:-$HOME/.cache/relayrl-tests}/openenv-core-0.3.0-py$(python -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+if [ ! -e "$openenv_dir/.complete" ]; then
+  # shellcheck source=scripts/uv_index.sh
+  . scripts/uv_index.sh
+  python -m uv pip install --quiet --python "$(python -c 'import sys; print(sys._base_executable)')" \
+    --target "$openenv_dir" "${uv_index[@]}" openenv-core==0.3.0 >/dev/null 2>&1 && touch "$openenv_dir/.complete" \
+    || echo "openenv-core 0.3.0 could not be installed: the OpenEnv MCP tests are skipped" >&2
+fi
 ruff check .
 ruff format --check .
 python scripts/gen_protos.py --check

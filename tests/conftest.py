@@ -16,9 +16,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-# Programs for the sandbox (verifiers tasksets): run there with their own requirements, never
-# imported by pytest's doctest collection.
-collect_ignore_glob = ["kit/verifiers_envs/*"]
+# Programs run under other interpreters with their own requirements (verifiers tasksets in the
+# sandbox, the OpenEnv MCP env server under openenv-core 0.3), never imported by pytest's doctests.
+collect_ignore_glob = ["kit/verifiers_envs/*", "kit/openenv_mcp_calc.py"]
 
 
 def _has_cuda() -> bool:

@@ -20,6 +20,14 @@ observations carried none is masked (``no_reward``), never scored 0. An Action t
 (``VALIDATION_ERROR``) or a step that raises (``EXECUTION_ERROR``) is answered to the model as a
 tool error and the episode goes on; a server that cannot be reached, is full or breaks the
 session is the env's failure: the episode is redone, never scored.
+
+MCP environments (``MCPEnvironment``, served with ``CallToolAction``: openenv-core >= 0.2.3) offer
+tools of their own instead of one Action: the replica lists them at start (a ``list_tools`` step
+on a session of its own) and offers each to the model under its own name and input schema. A call
+is a ``call_tool`` step; the tool's text content is the answer. The tool's own error (its
+exception, bad arguments, an unknown tool, its timeout on the server) is answered to the model;
+the server's MCP client failing (``transport_error``) is the env's failure, as above. Rewards and
+``done`` come from the observations, as for any OpenEnv environment.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from relayrl.env.base import (
     ToolStatus,
     prompt_messages,
 )
+from relayrl.env.openenv_mcp import MAX_MCP_TOOLS, is_mcp, mcp_answer, mcp_tool, untitled
 
 RESERVED = ("reward", "done", "metadata")
 """Observation fields the wire protocol carries beside the observation, not in it."""
@@ -75,11 +84,7 @@ def action_tool(schema: dict, description: str = "") -> dict:
     """The OpenAI function schema of an Action's JSON schema: its fields but ``metadata``."""
     params = {k: v for k, v in schema.items() if k not in ("title", "description")}
     # pydantic titles every field ("number" -> "Number"): tokens in every prompt, no meaning.
-    props = {
-        k: {a: b for a, b in v.items() if a != "title"} if isinstance(v, dict) else v
-        for k, v in (schema.get("properties") or {}).items()
-        if k != "metadata"
-    }
+    props = {k: untitled(v) for k, v in (schema.get("properties") or {}).items() if k != "metadata"}
     params.update(type="object", properties=props)
     params["required"] = [r for r in schema.get("required") or [] if r in props]
     text = (
@@ -176,11 +181,37 @@ class OpenEnvSession:
         self.ws.close()
 
 
+def list_mcp_tools(url: str, timeout: float) -> list[dict]:
+    """The tools of the MCP environment at ``url`` as OpenAI function schemas, from a
+    ``list_tools`` step on a session of their own; EnvUnavailable when it does not list any."""
+    session = OpenEnvSession(url, timeout)
+    try:
+        data = session.call("step", {"type": "list_tools"}, timeout)
+    finally:
+        session.close()
+    listed = (data.get("observation") or {}).get("tools") if "error" not in data else None
+    if not isinstance(listed, list) or not 0 < len(listed) <= MAX_MCP_TOOLS:
+        why = (
+            data.get("message")
+            if "error" in data
+            else f"{len(listed) if isinstance(listed, list) else 'no'} tools"
+        )
+        raise EnvUnavailable(
+            f"OpenEnv server {url}: list_tools gave {str(why)[:300]} (1..{MAX_MCP_TOOLS} wanted)"
+        )
+    try:
+        return [mcp_tool(t) for t in listed]
+    except ValueError as e:
+        raise EnvUnavailable(f"OpenEnv server {url}: {e}") from None
+
+
 class OpenEnvEnv(Env):
     """An ``Env`` playing episodes on the OpenEnv server at ``url`` (set by ``openenv_env``)."""
 
     url: ClassVar[str] = ""
     connect_timeout: ClassVar[float] = 30.0
+    mcp: ClassVar[bool] = False
+    """The env offers MCP tools (each a ``call_tool`` step), not one Action."""
 
     def __init__(self) -> None:
         self.session: OpenEnvSession | None = None
@@ -218,7 +249,7 @@ class OpenEnvEnv(Env):
     def step(self, action: Action) -> StepAnswer:
         if not action.tool_calls or self.session is None:
             return [], True, []
-        name = self.tools[0]["function"]["name"]
+        names = [t["function"]["name"] for t in self.tools]
         messages, results = [], []
         for call in action.tool_calls:
             status, content = ToolStatus.OK, ""
@@ -226,10 +257,10 @@ class OpenEnvEnv(Env):
                 status, content = ToolStatus.CRASHED, "error: the episode is over"
             elif call.parse != "ok":
                 status, content = ToolStatus.PARSE_ERROR, f"error: the call did not parse ({call.parse})"
-            elif call.name != name:
+            elif call.name not in names:
                 status, content = (
                     ToolStatus.UNKNOWN_TOOL,
-                    f"error: no tool {call.name!r:.60}; the tool is {name!r}",
+                    f"error: no tool {call.name!r:.60}; the tools are {', '.join(map(repr, names))[:500]}",
                 )
             else:
                 try:
@@ -237,23 +268,28 @@ class OpenEnvEnv(Env):
                 except ValueError as e:
                     status, content = ToolStatus.INVALID_ARGS, f"error: {e}"
                 else:
-                    data = self.session.call("step", args, self._left())
-                    if "error" in data and data["error"] in MODEL_ERRORS:
-                        status, content = MODEL_ERRORS[data["error"]], f"error: {data['message']}"
-                    elif "error" in data:
-                        raise EnvUnavailable(
-                            f"OpenEnv server {self.url}: {data['error']}: {data['message']}"[:500]
-                        )
-                    else:
-                        self.steps += 1
-                        self._observe(data)
-                        content = render(data) or "(no observation)"
+                    status, content = self._act(call.name, args)
             if len(content) > self.limits.max_tool_output_chars:
                 content = content[: self.limits.max_tool_output_chars]
                 status = ToolStatus.OUTPUT_TRUNCATED if status == ToolStatus.OK else status
             messages.append({"role": "tool", "content": content, "tool_call_id": call.id, "name": call.name})
             results.append(ToolResult(call.id, call.name, status))
         return messages, self.over, results
+
+    def _act(self, name: str, args: dict) -> tuple[ToolStatus, str]:
+        """One ``step`` on the server for a call of tool ``name``: its answer to the model."""
+        payload = {"type": "call_tool", "tool_name": name, "arguments": args} if self.mcp else args
+        data = self.session.call("step", payload, self._left())
+        if "error" in data and data["error"] in MODEL_ERRORS:
+            return MODEL_ERRORS[data["error"]], f"error: {data['message']}"
+        if "error" in data:
+            raise EnvUnavailable(f"OpenEnv server {self.url}: {data['error']}: {data['message']}"[:500])
+        answer = mcp_answer(data.get("observation") or {}) if self.mcp else (ToolStatus.OK, render(data))
+        if answer is None:
+            raise EnvUnavailable(f"OpenEnv server {self.url}: tool {name}: {json.dumps(data)[:400]}")
+        self.steps += 1
+        self._observe(data)
+        return answer[0], answer[1] or "(no observation)"
 
     def reward(self) -> Reward:
         if not self.rewards:
@@ -269,16 +305,18 @@ class OpenEnvEnv(Env):
 
 
 def openenv_env(name: str, url: str, max_turns: int, description: str, timeout: float) -> type[Env]:
-    """An ``Env`` class named ``name`` for the OpenEnv server at ``url``, its tool read from the
-    server's Action schema now (EnvUnavailable when the server does not answer in ``timeout``)."""
+    """An ``Env`` class named ``name`` for the OpenEnv server at ``url``, its tools read from the
+    server now: its MCP tools, else one from its Action schema (EnvUnavailable when the server does
+    not answer in ``timeout``)."""
     schema = fetch_schema(url, timeout)["action"]
-    tool = action_tool(schema, description)
+    mcp = is_mcp(schema)
     attrs: dict[str, Any] = {
         "url": url,
         "connect_timeout": timeout,
+        "mcp": mcp,
         "name": name,
         "description": description or f"OpenEnv environment at {url}",
-        "tools": [tool],
+        "tools": list_mcp_tools(url, timeout) if mcp else [action_tool(schema, description)],
         "expects_tools": True,
         "max_turns": max_turns,
     }

@@ -6,6 +6,7 @@ model got wrong is answered to it while what the server got wrong is never score
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 
@@ -184,3 +185,55 @@ def test_the_registry_serves_it_beside_the_builtins(url):
 def test_bad_openenv_settings_name_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
         EnvConfig(**bad)
+
+
+@pytest.fixture(scope="module")
+def mcp_url():
+    from tests.kit.openenv_mcp import serve_mcp
+
+    with serve_mcp() as u:
+        yield u
+
+
+def test_an_mcp_environment_offers_its_own_tools_each_call_a_call_tool_step(mcp_url):
+    """openenv-core 0.3's MCPEnvironment (FastMCP tools), served as OpenEnv's docs serve it: its
+    tools are the model's, named and described by the server; what the tool raises, arguments it
+    refuses and a tool it does not have are answered to the model; submit's reward scores."""
+    (spec,) = [
+        s
+        for s in build_registry([], openenv=[OpenEnvServer(name="mcp-calc", url=mcp_url)]).values()
+        if s.from_plugin
+    ]
+    cls = spec.cls
+    assert cls.mcp and [t["function"]["name"] for t in cls.tools] == ["calc", "submit"]
+    calc = cls.tools[0]["function"]
+    assert calc["description"].startswith("Evaluate an arithmetic expression")
+    assert calc["parameters"]["required"] == ["expression"] and "title" not in json.dumps(calc["parameters"])
+    env = cls()
+    env.limits = Limits(tool_timeout_seconds=30.0)
+    try:
+        messages = env.reset({"prompt": "What is 12 * 34?", "answer": "408"}, seed=0)
+        assert messages == [{"role": "user", "content": "What is 12 * 34?"}]
+        out, done, results = env.step(call("calc", '{"expression": "12 * 34"}'))
+        assert out[0]["content"] == "408" and results[0].status == ToolStatus.OK and not done
+        out, done, results = env.step(call("calc", '{"expression": "import os"}', 1))
+        assert results[0].status == ToolStatus.CRASHED and "not an arithmetic expression" in out[0]["content"]
+        out, done, results = env.step(call("calc", '{"expr": "1"}', 2))
+        assert results[0].status == ToolStatus.INVALID_ARGS and "expression" in out[0]["content"] and not done
+        out, done, results = env.step(call("answer", '{"answer": "408"}', 3))  # never reaches the server
+        assert results[0].status == ToolStatus.UNKNOWN_TOOL and "'calc', 'submit'" in out[0]["content"]
+        assert env.steps == 3
+        out, done, results = env.step(call("submit", '{"answer": "408"}', 4))
+        assert out[0]["content"] == "submitted 408" and done
+        reward = env.reward()
+        assert reward.outcome == Outcome.OK and reward.reward == 1.0 and reward.components["env_steps"] == 4
+    finally:
+        env.close()
+    wrong = cls()
+    wrong.limits = Limits(tool_timeout_seconds=30.0)
+    try:
+        wrong.reset({"prompt": "What is 12 * 34?", "answer": "408"}, seed=1)
+        _, done, _ = wrong.step(call("submit", '{"answer": "407"}'))
+        assert done and wrong.reward().outcome == Outcome.OK and wrong.reward().reward == 0.0
+    finally:
+        wrong.close()

@@ -27,8 +27,15 @@ pytestmark = [pytest.mark.long, pytest.mark.timeout(5400)]
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """Where the examples' model and data go: built by the first run (calc's warm start, ~5 min),
+    found by the next, as the examples share ../models/tiny-calc."""
+    return tmp_path_factory.mktemp("calc")
+
+
 @pytest.mark.parametrize("agent", ["calc-harness", "calc-langchain"])
-def test_a_black_box_agent_learns_through_the_gateway(tmp_path, agent):
+def test_a_black_box_agent_learns_through_the_gateway(tmp_path, shared, agent):
     pytest.importorskip("vllm")
     pytest.importorskip("deepspeed")
     if shutil.which("bwrap") is None:

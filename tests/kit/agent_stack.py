@@ -157,7 +157,8 @@ def check_constraint(constraint: str, ids: list[int], tokenizer, stop: int) -> N
 async def stack(policy: CalcPolicy | None = None, **gateway_config):
     """A generator (``ScriptedEngine``) and a gateway replica on 127.0.0.1; yields ``engine``,
     ``core`` (the gateway's sessions), ``rpc`` (its gRPC stub), ``port`` (its HTTP port) and
-    ``open(episode_id, **sampling)``, which opens a session and returns its OpenSessionResponse."""
+    ``open(episode_id, budget, **sampling)``, which opens a session (``budget``: its
+    ``max_episode_tokens``) and returns its OpenSessionResponse."""
     from relayrl.gateway.config import GatewayConfig, HttpConfig
     from relayrl.gateway.server import build as build_gateway
     from relayrl.gateway.v1 import gateway_pb2 as gw
@@ -181,10 +182,12 @@ async def stack(policy: CalcPolicy | None = None, **gateway_config):
     try:
         async with client(handle, gwg.GatewayServiceStub) as rpc:
 
-            async def open_(episode_id: str = "e/0", **sampling) -> gw.OpenSessionResponse:
+            async def open_(
+                episode_id: str = "e/0", budget: int = 4096, **sampling
+            ) -> gw.OpenSessionResponse:
                 given = {"max_tokens": 64, "stop_token_ids": [stop], "tool_format": "hermes", "seed": 1}
                 params = g.SamplingParams(**{**given, **sampling})
-                req = gw.OpenSessionRequest(episode_id=episode_id, sampling=params, max_episode_tokens=4096)
+                req = gw.OpenSessionRequest(episode_id=episode_id, sampling=params, max_episode_tokens=budget)
                 return await rpc.stub.OpenSession(req, timeout=10)
 
             async def close(key: str) -> gw.CloseSessionResponse:

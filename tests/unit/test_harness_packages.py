@@ -203,9 +203,9 @@ def test_a_langchain_agent_plays_calc_in_the_sandbox_through_the_gateway_token_f
     box = Sandbox("full", workers=1)  # the default folder: installed once, reused by later runs
     task = {"prompt": QUESTION, "reward_model": {"ground_truth": ANSWER}, "data_source": "calc"}
 
-    async def play():
+    async def play(budget: int):
         async with stack() as s:
-            opened = await s.open("p/0")
+            opened = await s.open("p/0", budget)
             base = f"http://127.0.0.1:{s.port}/v1"
             env = cls()
             env.sandbox, env.gateway = box, GatewayEndpoint(base, opened.session_key, opened.model)
@@ -215,9 +215,15 @@ def test_a_langchain_agent_plays_calc_in_the_sandbox_through_the_gateway_token_f
 
     try:
         cls.prepare(box)  # as the env service does before serving: installs the ~40 wheels once
-        env, reward, closed, engine = asyncio.run(play())
+        env, reward, closed, engine = asyncio.run(play(4096))
+        # The episode's token budget spent after its first call: the gateway refuses the second
+        # (400, context_length_exceeded), and the agent ends the episode cut: the policy's doing,
+        # scored 0 by calc, never masked as the agent's failure.
+        cut_env, cut_reward, cut_closed, _ = asyncio.run(play(8))
     finally:
         box.close()
+    assert cut_env.failure is None and cut_env.task.transcript.truncated, cut_env.failure
+    assert cut_reward.outcome == Outcome.OK and cut_reward.reward == 0.0 and cut_closed.calls == 1
     assert env.failure is None, env.failure
     assert reward.outcome == Outcome.OK and reward.reward == 1.0, reward
     assert env.task.transcript.tool_calls == 1 and env.task.transcript.turns == 2

@@ -3,8 +3,10 @@ would write one, for a harness env's ``agent_folder``: it runs in the sandbox wi
 installed by the env service (``requirements.txt``), configured only with the OPENAI_* variables.
 
 In: ``{"messages", "tools", "max_turns"}`` on stdin. Each turn invokes the model with the dialogue
-so far, answers its tool calls with calc's arithmetic (``arith.py`` beside this file) and stops at
-a reply without calls. Out: the harness's report line."""
+so far, answers its tool calls with calc's arithmetic (``arith.py``, which the calc task puts beside
+it in the job) and stops at a reply without calls; a request refused because the dialogue outgrew
+its token budget (HTTP 400, ``context_length_exceeded``) ends the episode cut. Out: the harness's
+report line."""
 
 import json
 import os
@@ -13,6 +15,7 @@ import sys
 
 def main() -> None:
     import arith
+    import openai
     from langchain_core.messages import ToolMessage
     from langchain_openai import ChatOpenAI
 
@@ -27,7 +30,13 @@ def main() -> None:
     history = list(spec["messages"])
     report = {"final": None, "turns": 0, "tool_calls": 0, "truncated": False}
     for _ in range(spec["max_turns"]):
-        reply = llm.invoke(history)
+        try:
+            reply = llm.invoke(history)
+        except openai.BadRequestError as e:
+            if e.code != "context_length_exceeded":  # the episode's token budget is spent:
+                raise
+            report["truncated"] = True  # cut, without an answer, as OpenAI's own limit ends one
+            break
         report["turns"] += 1
         history.append(reply)
         if reply.response_metadata.get("finish_reason") == "length":

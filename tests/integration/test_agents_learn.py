@@ -67,6 +67,9 @@ def test_a_black_box_agent_learns_through_the_gateway(tmp_path, shared, agent):
         text=True,
         timeout=5000,
     )
+    (tmp_path / "run.log").write_text(
+        run.stdout + run.stderr
+    )  # each masked episode's reason, for a look after
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
     run_dir = next((tmp_path / "runs").glob(f"{example['name']}-2*"))

@@ -51,11 +51,11 @@ def test_a_black_box_agent_learns_through_the_gateway(tmp_path, shared, agent):
         spec.update(folder=str(folder), requirements=str(offline_reqs))
     example.update(
         runs_dir=str(tmp_path / "runs"),
-        model={**example["model"], "path": str(tmp_path / "models" / "tiny-calc")},
+        model={**example["model"], "path": str(shared / "tiny-calc")},
         data={
             **example["data"],
-            "train": str(tmp_path / "train.parquet"),
-            "test": str(tmp_path / "test.parquet"),
+            "train": str(shared / "train.parquet"),
+            "test": str(shared / "test.parquet"),
         },
     )
     config = tmp_path / f"{agent}.yaml"

@@ -52,7 +52,7 @@ fi
 # and transformers from source at each start: the suite ran 1.5x slower.
 # shellcheck source=scripts/uv_index.sh
 . "$here/scripts/uv_index.sh"
-uv_args=(--python "$venv/bin/python" --quiet --compile-bytecode "${uv_index[@]}")
+uv_args=(--python "$venv/bin/python" --quiet --compile-bytecode ${uv_index[@]+"${uv_index[@]}"})
 editable=(-e "$here[cpu,dev]" --config-settings editable_mode=strict)
 if ! { python -m pip install --quiet "uv>=0.9" >/dev/null 2>&1 && python -m uv pip install "${uv_args[@]}" "${editable[@]}"; }; then
   echo "uv could not install; installing with pip (slower)" >&2

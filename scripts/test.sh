@@ -12,6 +12,7 @@ export VLLM_ENABLE_V1_MULTIPROCESSING=0 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" 
 # themselves reach nothing past loopback), in the background while the lint and docs checks run
 # (downloads, mostly waiting on the network); pytest starts once they are in.
 cache="${RELAYRL_TEST_CACHE:-$HOME/.cache/relayrl-tests}"
+mkdir -p "$cache"
 fetch_test_packages() {
   # What the sandbox tests run with packages of its own (the LangChain agent, examples/agents/
   # langchain_calc; verifiers environments, tests/kit/verifiers_envs) needs its wheels for the
@@ -23,8 +24,8 @@ fetch_test_packages() {
     wheels="$cache/agent-wheels/py$sandbox_py-$(sha256sum "$agent_reqs" | cut -c1-12)"
     if [ -n "$sandbox_py" ] && [ ! -e "$wheels/.complete" ]; then
       python -m pip download --quiet --disable-pip-version-check --only-binary=:all: --python-version "$sandbox_py" \
-        -d "$wheels" -r "$agent_reqs" 2>/dev/null && touch "$wheels/.complete" \
-        || echo "the wheels of $agent_reqs could not be fetched: the tests that need them are skipped" >&2
+        -d "$wheels" -r "$agent_reqs" >>"$cache/fetch.log" 2>&1 && touch "$wheels/.complete" \
+        || echo "the wheels of $agent_reqs could not be fetched ($cache/fetch.log): the tests that need them are skipped" >&2
     fi
   done
   # OpenEnv's MCP environments need openenv-core >= 0.2.3 (fastmcp 4, gradio), which relayrl's
@@ -35,21 +36,23 @@ fetch_test_packages() {
     # shellcheck source=scripts/uv_index.sh
     . scripts/uv_index.sh
     python -m uv pip install --quiet --python "$(python -c 'import sys; print(sys._base_executable)')" \
-      --target "$openenv_dir" "${uv_index[@]}" openenv-core==0.3.0 >/dev/null 2>&1 && touch "$openenv_dir/.complete" \
-      || echo "openenv-core 0.3.0 could not be installed: the OpenEnv MCP tests are skipped" >&2
+      --target "$openenv_dir" ${uv_index[@]+"${uv_index[@]}"} openenv-core==0.3.0 >>"$cache/fetch.log" 2>&1 \
+      && touch "$openenv_dir/.complete" \
+      || echo "openenv-core 0.3.0 could not be installed ($cache/fetch.log): the OpenEnv MCP tests are skipped" >&2
   fi
 }
 fetch_test_packages &
 fetching=$!
+site="$(mktemp -d)"
+# A failed check or Ctrl-C ends the fetch too: a later run would otherwise install beside it.
+trap 'pkill -P "$fetching" 2>/dev/null; kill "$fetching" 2>/dev/null; rm -rf "$site"' EXIT
 ruff check .
 ruff format --check .
 python scripts/gen_protos.py --check
 # The docs site (mkdocs.yml), strict: a broken link or anchor fails; seconds. Built into a temporary
 # folder; the config reference page comes from the schema just checked (scripts/docs_hooks.py).
-site="$(mktemp -d)"
-trap 'rm -rf "$site"' EXIT
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict --site-dir "$site"
-wait "$fetching"
+wait "$fetching" || echo "fetching the tests' packages failed ($cache/fetch.log): the tests that need them are skipped" >&2
 # Two workers by default (RELAYRL_TEST_WORKERS; 0 runs in one process): a test file goes whole to
 # one worker, so its module fixtures (a warm-started model, a running stack) are built once; the
 # longest files go first (tests/conftest.py, LONGEST_FILES), in that order (no reordering by size).

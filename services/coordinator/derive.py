@@ -59,8 +59,11 @@ def resolve_paths(exp: ExperimentConfig, base: Path | None) -> ExperimentConfig:
 
 
 def _resolve_env_paths(exp: ExperimentConfig, base: Path) -> None:
-    """The agents' and verifiers environments' folders and requirements files, relative to the
-    experiment file, made absolute and checked (the env replica may start in another folder)."""
+    """With the embedded default, the agents' and verifiers environments' folders and requirements
+    files, relative to the experiment file, made absolute and checked (the env replicas it starts
+    may start in another folder); deployed env services read their own on their own hosts."""
+    if not exp.services.embedded:
+        return
     for kind in ("verifiers", "agents"):
         for i, spec in enumerate(getattr(exp.env, kind)):
             for field in ("folder", "requirements"):

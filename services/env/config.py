@@ -79,7 +79,8 @@ class VerifiersEnvSpec(StrictModel):
     (verifiers' default, ``bash``, installs uv from the internet at its first run)."""
     folder: str = Field("", max_length=4096)
     """A folder whose modules (``*.py``) each job gets beside the agent: the taskset's module
-    when no package installs it; empty: none."""
+    when no package installs it; empty: none. Relative: to the experiment file (an embedded run),
+    else to the env replica's working folder."""
     requirements: str = Field("", max_length=4096)
     """A requirements file (pip's format, its options too: ``--find-links`` for wheels offline)
     installed once per replica host for the sandbox's interpreter; it must hold ``verifiers`` and
@@ -88,7 +89,7 @@ class VerifiersEnvSpec(StrictModel):
     """Most model calls in a rollout (verifiers' ``max_turns``)."""
     agent_seconds: float = Field(240.0, gt=0, le=600)
     """Wall-clock limit of a rollout (cut to the step's deadline); past it the episode is masked."""
-    memory_mb: int = Field(2048, ge=256, le=1 << 20)
+    memory_mb: int = Field(2048, ge=256, le=65536)
     """Address space of each process of a rollout's job (verifiers, its interception server, its
     tool servers)."""
 
@@ -114,7 +115,8 @@ class AgentEnvSpec(StrictModel):
     folder: str = Field(..., min_length=1, max_length=4096)
     """The agent's folder: ``agent.py`` (run under the sandbox's python3 with the OPENAI_*
     variables set; it prints the harness's report line), its modules (``*.py``) and, optionally,
-    ``requirements.txt``. Relative: to the experiment file's folder."""
+    ``requirements.txt``. Relative: to the experiment file (an embedded run), else to the env
+    replica's working folder."""
     requirements: str = Field("", max_length=4096)
     """A requirements file used instead of the folder's (pip's format, its options too:
     ``--no-index --find-links`` for wheels offline); installed once per replica host for the
@@ -123,7 +125,7 @@ class AgentEnvSpec(StrictModel):
     """Most model calls the agent may make (``max_turns`` of its stdin); None: the task's."""
     agent_seconds: float = Field(240.0, gt=0, le=600)
     """Wall-clock limit of an episode's run (cut to the step's deadline); past it: masked."""
-    memory_mb: int = Field(1024, ge=256, le=1 << 20)
+    memory_mb: int = Field(1024, ge=256, le=65536)
     """Address space of each process of the agent's job."""
 
     @field_validator("folder", "requirements")

@@ -361,7 +361,7 @@ class CalcHarnessEnv(HarnessEnv):
     )
     task_env = CalcEnv
     agent_program = str(AGENTS / "calc_agent.py")
-    agent_files = CalcEnv.agent_kit
+    agent_files = dict(CalcEnv.agent_kit)
 
 
 def agent_env(spec: AgentEnvSpec, task: type[ToolEnv]) -> type[HarnessEnv]:
@@ -376,8 +376,12 @@ def agent_env(spec: AgentEnvSpec, task: type[ToolEnv]) -> type[HarnessEnv]:
         "agent_folder": folder,
         "agent_turns": spec.max_turns,
         "agent_seconds": spec.agent_seconds,
-        "agent_limits": HarnessEnv.agent_limits.model_copy(
-            update={"cpu_seconds": spec.agent_seconds, "memory_mb": spec.memory_mb}
+        "agent_limits": SandboxLimits(
+            **{
+                **HarnessEnv.agent_limits.model_dump(),
+                "cpu_seconds": spec.agent_seconds,
+                "memory_mb": spec.memory_mb,
+            }
         ),
     }
     if spec.requirements:

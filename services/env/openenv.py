@@ -24,10 +24,13 @@ session is the env's failure: the episode is redone, never scored.
 MCP environments (``MCPEnvironment``, served with ``CallToolAction``: openenv-core >= 0.2.3) offer
 tools of their own instead of one Action: the replica lists them at start (a ``list_tools`` step
 on a session of its own) and offers each to the model under its own name and input schema. A call
-is a ``call_tool`` step; the tool's text content is the answer. The tool's own error (its
-exception, bad arguments, an unknown tool, its timeout on the server) is answered to the model;
-the server's MCP client failing (``transport_error``) is the env's failure, as above. Rewards and
-``done`` come from the observations, as for any OpenEnv environment.
+is a ``call_tool`` step; the tool's text content is the answer. The errors the server files under
+``invalid_args``, ``tool_not_found``, ``execution_error`` or ``timeout`` are answered to the model
+(OpenEnv's server files every exception of a call there by its message, its own MCP client's
+failures too: those reach the model as the tool's error); ``transport_error``, an error type not
+known here, or a broken session is the env's failure, as above. A call waits at most
+``tool_timeout_seconds`` (10 s by default, under the server's own 30 s): past it the episode is
+redone. Rewards and ``done`` come from the observations, as for any OpenEnv environment.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from relayrl.env.base import (
     ToolStatus,
     prompt_messages,
 )
-from relayrl.env.openenv_mcp import MAX_MCP_TOOLS, is_mcp, mcp_answer, mcp_tool, untitled
+from relayrl.env.openenv_mcp import is_mcp, mcp_answer, mcp_tools, untitled
 
 RESERVED = ("reward", "done", "metadata")
 """Observation fields the wire protocol carries beside the observation, not in it."""
@@ -189,20 +192,15 @@ def list_mcp_tools(url: str, timeout: float) -> list[dict]:
         data = session.call("step", {"type": "list_tools"}, timeout)
     finally:
         session.close()
-    listed = (data.get("observation") or {}).get("tools") if "error" not in data else None
-    if not isinstance(listed, list) or not 0 < len(listed) <= MAX_MCP_TOOLS:
-        why = (
-            data.get("message")
-            if "error" in data
-            else f"{len(listed) if isinstance(listed, list) else 'no'} tools"
-        )
+    if "error" in data:
         raise EnvUnavailable(
-            f"OpenEnv server {url}: list_tools gave {str(why)[:300]} (1..{MAX_MCP_TOOLS} wanted)"
+            f"OpenEnv server {url}: list_tools failed: {data['error']}: {data['message']}"[:500]
         )
+    observation = data.get("observation")
     try:
-        return [mcp_tool(t) for t in listed]
+        return mcp_tools(observation.get("tools") if isinstance(observation, dict) else None)
     except ValueError as e:
-        raise EnvUnavailable(f"OpenEnv server {url}: {e}") from None
+        raise EnvUnavailable(f"OpenEnv server {url}: {e}"[:500]) from None
 
 
 class OpenEnvEnv(Env):
@@ -284,7 +282,7 @@ class OpenEnvEnv(Env):
             return MODEL_ERRORS[data["error"]], f"error: {data['message']}"
         if "error" in data:
             raise EnvUnavailable(f"OpenEnv server {self.url}: {data['error']}: {data['message']}"[:500])
-        answer = mcp_answer(data.get("observation") or {}) if self.mcp else (ToolStatus.OK, render(data))
+        answer = mcp_answer(data.get("observation")) if self.mcp else (ToolStatus.OK, render(data))
         if answer is None:
             raise EnvUnavailable(f"OpenEnv server {self.url}: tool {name}: {json.dumps(data)[:400]}")
         self.steps += 1

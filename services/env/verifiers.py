@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any, ClassVar
 
 from relayrl.common import verifiers as vfc
 from relayrl.common.sandbox import RunResult, SandboxLimits
 from relayrl.env.base import Outcome, Reward, TaskError, prompt_messages
-from relayrl.env.config import VerifiersEnvSpec
+from relayrl.env.config import VerifiersEnvSpec, resolved
 from relayrl.env.harness import HarnessEnv
 
 MAX_COMPONENTS = 64
@@ -110,7 +111,8 @@ def _finite(x: Any) -> bool:
 
 
 def verifiers_env(spec: VerifiersEnvSpec) -> type[VerifiersEnv]:
-    """The env class of one ``env.verifiers`` entry (its requirements installed by ``prepare``)."""
+    """The env class of one ``env.verifiers`` entry (its requirements installed by ``prepare``;
+    relative paths against the working folder; ``ValueError`` names what is missing)."""
     limits = SandboxLimits(
         wall_seconds=spec.agent_seconds,
         cpu_seconds=spec.agent_seconds,
@@ -122,8 +124,8 @@ def verifiers_env(spec: VerifiersEnvSpec) -> type[VerifiersEnv]:
         "name": spec.name,
         "description": f"verifiers taskset {spec.taskset}: its own rollout and rubric, through the gateway",
         "spec": spec,
-        "agent_files": vfc.job_files(spec.folder),
-        "agent_requirements": requirements_file(spec),
+        "agent_files": vfc.job_files(resolved(spec.folder, "folder", Path.cwd())),
+        "agent_requirements": resolved(requirements_file(spec), "requirements", Path.cwd()),
         "agent_seconds": spec.agent_seconds,
         "agent_limits": limits,
     }

@@ -35,10 +35,11 @@ def serve_mcp(timeout: float = 60.0) -> Iterator[str]:
         "PATH": os.environ.get("PATH", ""),
         "HOME": os.environ.get("HOME", "/"),
     }
-    # -S: the base interpreter's own site-packages stay out; the folder above is all it imports.
+    # -S: the base interpreter's own site-packages stay out; -P: nor this folder (the server's
+    # own) on sys.path, where a module could shadow a dependency. The folder above is all it imports.
     log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would stall the server
     proc = subprocess.Popen(
-        [sys._base_executable, "-s", "-S", str(SERVER)],
+        [sys._base_executable, "-s", "-S", "-P", str(SERVER)],
         stdout=subprocess.PIPE,
         stderr=log,
         text=True,

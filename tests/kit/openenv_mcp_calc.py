@@ -34,7 +34,7 @@ class McpCalcEnvironment(MCPEnvironment):
             Args:
                 expression: the expression, e.g. "12 * 34"
             """
-            if not set(expression) <= set("0123456789+-*() "):
+            if not set(expression) <= set("0123456789+-*() ") or "**" in expression:
                 raise ValueError(f"not an arithmetic expression: {expression!r}")
             return str(eval(expression, {"__builtins__": {}}))  # checked to digits and operators
 

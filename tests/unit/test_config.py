@@ -236,6 +236,24 @@ def test_every_example_loads(path):
     exp = load_experiment(path)
     if exp.algorithm.advantage == "gae":
         assert exp.critic.role == "critic" and exp.critic.model == exp.learner.model
+    for agent in exp.env.agents:  # relative to the experiment file, wherever it is loaded from
+        assert Path(agent.folder) == Path(path).resolve().parent / "agents" / "langchain_calc"
+
+
+def test_env_paths_resolve_against_the_experiment_file_and_name_the_field(tmp_path):
+    folder = tmp_path / "exp" / "agent"
+    folder.mkdir(parents=True)
+    (folder / "agent.py").write_text("")
+    agents = "env: {agents: [{name: a, task: calc, folder: agent, requirements: reqs.txt}]}\n"
+    path = tmp_path / "exp" / "e.yaml"
+    path.write_text(MINIMAL + agents)
+    with pytest.raises(ConfigError, match=r"env.agents.0.requirements: 'reqs.txt' is not a file"):
+        load_experiment(path)
+    (tmp_path / "exp" / "reqs.txt").write_text("langchain-openai\n")
+    exp = load_experiment(path)
+    assert exp.env.agents[0].folder == str(folder) and exp.env.agents[0].requirements == str(
+        path.parent / "reqs.txt"
+    )
 
 
 @pytest.mark.parametrize(("threads", "want"), [(None, {}), (2, {"OMP_NUM_THREADS": "2"})])

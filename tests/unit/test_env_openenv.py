@@ -237,3 +237,31 @@ def test_an_mcp_environment_offers_its_own_tools_each_call_a_call_tool_step(mcp_
         assert done and wrong.reward().outcome == Outcome.OK and wrong.reward().reward == 0.0
     finally:
         wrong.close()
+
+
+def test_an_mcp_tool_list_past_its_bounds_is_refused_naming_why():
+    """The server's tool list goes into every prompt: it is refused whole, never cut or crashed on."""
+    from relayrl.env.openenv_mcp import MAX_MCP_TOOLS, mcp_tools
+
+    def tool(name="calc", schema=None):
+        return {"name": name, "description": "d", "input_schema": schema or {"type": "object"}}
+
+    deep: dict = {"type": "object"}
+    for _ in range(200):
+        deep = {"type": "object", "properties": {"x": deep}}
+    cases = [
+        ([], "gave 0 tools"),
+        ([tool(f"t{i}") for i in range(MAX_MCP_TOOLS + 1)], f"gave {MAX_MCP_TOOLS + 1} tools"),
+        ([tool("a.b")], "plain name"),
+        ([tool("a"), tool("a")], "named a tool twice: a"),
+        ([tool(schema={"type": "object", "description": "x" * 20_000})], "input schema is over"),
+        ([tool(schema=deep)], "nested deeper than 32 levels"),
+        (
+            [tool(f"t{i}", {"type": "object", "description": "x" * 15_000}) for i in range(20)],
+            "characters of tools",
+        ),
+        ("not a list", "gave no tools"),
+    ]
+    for listed, why in cases:
+        with pytest.raises(ValueError, match=why):
+            mcp_tools(listed)

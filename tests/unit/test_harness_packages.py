@@ -199,7 +199,7 @@ def test_a_langchain_agent_plays_calc_in_the_sandbox_through_the_gateway_token_f
         "requirements": str(reqs),
     }
     cls = build_registry([], agents=EnvConfig(agents=[spec]).agents)["calc-langchain"].cls
-    assert set(cls.agent_files) == {"arith.py"} and cls.tools == CalcEnv.tools and cls.black_box
+    assert set(cls.agent_files) == {"arith.py"} and cls.tools == CalcEnv.tools
     box = Sandbox("full", workers=1)  # the default folder: installed once, reused by later runs
     task = {"prompt": QUESTION, "reward_model": {"ground_truth": ANSWER}, "data_source": "calc"}
 
@@ -255,4 +255,4 @@ def test_an_agent_entry_names_what_is_wrong(tmp_path):
         EnvConfig(agents=[{"name": "a", "task": "calc", "folder": str(LANGCHAIN_AGENT)}] * 2)
     cls = build(task="pyexec", max_turns=3, agent_seconds=30, memory_mb=512)["a"].cls
     assert cls.agent_turns == 3 and cls.agent_seconds == 30 and cls.agent_limits.memory_mb == 512
-    assert cls.agent_requirements == str(LANGCHAIN_AGENT / "requirements.txt") and cls.needs_sandbox
+    assert cls.agent_requirements == str(LANGCHAIN_AGENT / "requirements.txt")

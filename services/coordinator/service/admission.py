@@ -141,6 +141,11 @@ def _named_paths(cfg: ExperimentConfig) -> Iterator[tuple[str, str]]:
                 yield f"{role}.model", section.model
             if section.checkpoint_dir != _DEFAULT_CHECKPOINT_DIR:
                 yield f"{role}.checkpoint_dir", section.checkpoint_dir
+        for kind in ("verifiers", "agents"):  # read by the env replicas this coordinator starts
+            for i, spec in enumerate(getattr(cfg.env, kind)):
+                for field in ("folder", "requirements"):
+                    if value := getattr(spec, field):
+                        yield f"env.{kind}.{i}.{field}", value
     yield from _secret_files(cfg)
 
 

@@ -258,6 +258,12 @@ async def test_unknown_run_ids_are_not_found_with_a_bounded_message(tmp_path):
         ({"learner.model": "/etc"}, "learner.model"),
         ({"learner.checkpoint_dir": "../../elsewhere"}, "learner.checkpoint_dir"),
         ({"generator.engine.model": "../model"}, "generator.engine.model"),
+        # an agent's folder and requirements: read by the env replicas the embedded default starts
+        ({"env.agents": [{"name": "a", "task": "calc", "folder": "../agent"}]}, "env.agents.0.folder"),
+        (
+            {"env.verifiers": [{"name": "v", "taskset": "t", "requirements": "../secret"}]},
+            "env.verifiers.0.requirements",
+        ),
     ],
 )
 async def test_secrets_models_and_checkpoints_must_lie_in_the_root(tmp_path, change, field):
@@ -265,6 +271,8 @@ async def test_secrets_models_and_checkpoints_must_lie_in_the_root(tmp_path, cha
     # outside the root would hand this host's secrets to whoever calls StartExperiment. The
     # services of the embedded default read their sections' files on this host too.
     (tmp_path / "secret").write_text("s3cret\n")
+    (tmp_path / "agent").mkdir()
+    (tmp_path / "agent" / "agent.py").write_text("")
     embedded = {} if field.startswith("services.") else {"services": {}}
     async with coordinator(tmp_path / "root") as c:
         cfg = experiment(**embedded, **change)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import selectors
 import shutil
 import signal
 import subprocess
@@ -45,6 +44,7 @@ from dataclasses import dataclass, field, replace
 from relayrl.common.sandbox.cgroups import JOIN_FAILED, SlotCgroup
 from relayrl.common.sandbox.extras import env_args
 from relayrl.common.sandbox.limits import RunResult, SandboxLimits, SandboxUnavailable, Tier, Verdict
+from relayrl.common.sandbox.pipes import read_all, read_capped
 from relayrl.common.sandbox.procs import kill_user, reap_init
 from relayrl.common.sandbox.seccomp import filter_program
 
@@ -356,7 +356,7 @@ def _spawn_and_wait(
     except OSError as e:
         raise SandboxUnavailable(f"cannot start the sandbox ({argv[0]}): {e}") from e
     try:
-        out, err, truncated, timed_out = _read_capped(proc, end, limits.output_bytes)
+        out, err, truncated, timed_out = read_capped(proc, end, limits.output_bytes)
     finally:
         # The outer process is not reaped yet, so its group id cannot have been reused: kill the
         # group (the rlimits-only tier's children that stayed in it; the full tier's bwrap).
@@ -368,7 +368,7 @@ def _spawn_and_wait(
         proc.stderr.close()
         returncode = proc.wait()
         if status is not None:
-            m = _CHILD_PID.search(_read_all(status[0]))
+            m = _CHILD_PID.search(read_all(status[0]))
             if m and not reap_init(int(m.group(1))):
                 raise SandboxUnavailable("the sandbox's pid 1 outlived its job")
         if slot.uid is not None and kill_user(slot.uid):
@@ -381,56 +381,3 @@ def _spawn_and_wait(
     result = RunResult(verdict, code, sig, out.decode("utf-8", "replace"), stderr, wall, truncated)
     suspect = not (truncated or timed_out) and looks_like_bwrap_failure(returncode, out, err)
     return result, suspect
-
-
-def _read_all(fd: int) -> bytes:
-    os.set_blocking(fd, False)
-    chunks = []
-    try:
-        while chunk := os.read(fd, 4096):
-            chunks.append(chunk)
-    except BlockingIOError:
-        pass
-    return b"".join(chunks)
-
-
-def _exited(pid: int) -> bool:
-    """True once ``pid`` has ended; it stays unreaped (its pid and group id stay taken)."""
-    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    return info is not None and info.si_pid == pid
-
-
-def _read_capped(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bytes, bool, bool]:
-    """Read stdout and stderr until the process ends (both closed, or it exited and a process it
-    left holds them), the deadline passes, or one passes ``cap`` bytes: (stdout, stderr,
-    truncated, timed out). Never reaps the process."""
-    out, err = proc.stdout.fileno(), proc.stderr.fileno()
-    bufs = {out: bytearray(), err: bytearray()}
-    with selectors.DefaultSelector() as sel:
-        for fd in bufs:
-            os.set_blocking(fd, False)
-            sel.register(fd, selectors.EVENT_READ)
-        while sel.get_map():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return bytes(bufs[out]), bytes(bufs[err]), False, True
-            events = sel.select(min(left, 0.05))
-            for key, _ in events:
-                chunk = os.read(key.fd, 1 << 16)
-                if not chunk:
-                    sel.unregister(key.fd)
-                    continue
-                buf = bufs[key.fd]
-                if len(buf) + len(chunk) > cap:
-                    buf += chunk[: cap - len(buf)]
-                    return bytes(bufs[out]), bytes(bufs[err]), True, False
-                buf += chunk
-            if not events and _exited(proc.pid):
-                break
-    pause = 0.0005
-    while not _exited(proc.pid):
-        if time.monotonic() >= deadline:
-            return bytes(bufs[out]), bytes(bufs[err]), False, True
-        time.sleep(pause)
-        pause = min(pause * 2, 0.01)
-    return bytes(bufs[out]), bytes(bufs[err]), False, False

@@ -77,7 +77,10 @@ def test_a_black_box_agent_learns_through_the_gateway(tmp_path, shared, agent):
     steps = [r for r in recs if "tool_calls_per_episode" in r]
     evals = [(r["step"], r["eval_accuracy"]) for r in recs if "eval_accuracy" in r]
     schedule = example["schedule"]
-    assert len(steps) == schedule["steps"] and all(r["train_samples"] > 0 for r in steps)
+    # Every step trains, or every group in it tied (all right or all wrong: no signal), which a
+    # well-trained policy on 8 questions a step meets now and then (calc-langchain, step 27).
+    assert len(steps) == schedule["steps"]
+    assert all(r["train_samples"] > 0 or r["zero_signal_groups"] == r["groups"] for r in steps), steps
     assert [s for s, _ in evals] == list(range(0, schedule["steps"] + 1, schedule["eval_every"]))
     first, last = evals[0][1], evals[-1][1]
     assert last >= first + 0.3, f"held-out accuracy did not rise by 0.3: {evals}"

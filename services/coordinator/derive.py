@@ -64,13 +64,11 @@ def _resolve_env_paths(exp: ExperimentConfig, base: Path) -> None:
     may start in another folder); deployed env services read their own on their own hosts."""
     if not exp.services.embedded:
         return
-    for kind in ("verifiers", "agents"):
-        for i, spec in enumerate(getattr(exp.env, kind)):
-            for field in ("folder", "requirements"):
-                try:
-                    setattr(spec, field, resolved(getattr(spec, field), f"env.{kind}.{i}.{field}", base))
-                except ValueError as e:
-                    raise cfg.ConfigError(str(e)) from None
+    for field, spec, attr in exp.env.path_fields():
+        try:
+            setattr(spec, attr, resolved(getattr(spec, attr), field, base))
+        except ValueError as e:
+            raise cfg.ConfigError(str(e)) from None
 
 
 def _lora_serving(exp: ExperimentConfig) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +199,14 @@ class EnvConfig(StrictModel):
     @classmethod
     def _function_refs(cls, v: list[str]) -> list[str]:
         return plugin_refs(v, "function")
+
+    def path_fields(self) -> Iterator[tuple[str, StrictModel, str]]:
+        """(dotted field, spec, attribute) of every agent's and verifiers environment's folder and
+        requirements file: what the replica reads from its host's disk."""
+        for kind in ("verifiers", "agents"):
+            for i, spec in enumerate(getattr(self, kind)):
+                for attr in ("folder", "requirements"):
+                    yield f"env.{kind}.{i}.{attr}", spec, attr
 
     @model_validator(mode="after")
     def _weights(self) -> EnvConfig:

@@ -72,16 +72,21 @@ def _checked(cls: type[Env], ref: str) -> type[Env]:
     return cls
 
 
+def _imported(ref: str, what: str) -> object:
+    """What ``module:Name`` names; PluginError starting with ``what`` when it does not load."""
+    module, _, name = ref.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except Exception as e:  # ImportError, AttributeError, or whatever the module raises on import
+        raise PluginError(f"{what}: cannot load: {type(e).__name__}: {e}") from e
+
+
 def load_plugin(
     ref: str, reward_funcs: Sequence[str] = (), weights: Sequence[float] | None = None
 ) -> type[Env]:
     """Import ``module:Class``: an ``Env`` subclass, or a TRL environment class (wrapped, scored
     by its ``get_reward`` and ``reward_funcs``)."""
-    module, _, name = ref.partition(":")
-    try:
-        obj = getattr(importlib.import_module(module), name)
-    except Exception as e:  # ImportError, AttributeError, or whatever the module raises on import
-        raise PluginError(f"plugin {ref}: cannot load: {type(e).__name__}: {e}") from e
+    obj = _imported(ref, f"plugin {ref}")
     if inspect.isclass(obj) and issubclass(obj, Env):
         return _checked(obj, ref)
     if is_trl_style(obj):
@@ -105,14 +110,10 @@ def task_env(ref: str) -> type[ToolEnv]:
         cls: object = builtins[ref]
     else:
         target = ON_REQUEST.get(ref, ref)
-        module, _, name = target.partition(":")
-        if not name:
+        if ":" not in target:
             known = ", ".join(sorted(c.name for c in BUILTINS if issubclass(c, ToolEnv)) + ["pyexec"])
             raise PluginError(f"task {ref!r:.80}: neither a built-in tool env ({known}) nor module:Class")
-        try:
-            cls = getattr(importlib.import_module(module), name)
-        except Exception as e:  # ImportError, AttributeError, or whatever the module raises on import
-            raise PluginError(f"task {ref}: cannot load: {type(e).__name__}: {e}") from e
+        cls = _imported(target, f"task {ref}")
     if not (inspect.isclass(cls) and issubclass(cls, ToolEnv)) or issubclass(cls, HarnessEnv):
         raise PluginError(f"task {ref!r:.80}: an agent plays a ToolEnv's episodes, not {cls!r:.80}")
     return cls

@@ -141,11 +141,9 @@ def _named_paths(cfg: ExperimentConfig) -> Iterator[tuple[str, str]]:
                 yield f"{role}.model", section.model
             if section.checkpoint_dir != _DEFAULT_CHECKPOINT_DIR:
                 yield f"{role}.checkpoint_dir", section.checkpoint_dir
-        for kind in ("verifiers", "agents"):  # read by the env replicas this coordinator starts
-            for i, spec in enumerate(getattr(cfg.env, kind)):
-                for field in ("folder", "requirements"):
-                    if value := getattr(spec, field):
-                        yield f"env.{kind}.{i}.{field}", value
+        for field, spec, attr in cfg.env.path_fields():  # read by the env replicas it starts
+            if value := getattr(spec, attr):
+                yield field, value
     yield from _secret_files(cfg)
 
 

@@ -178,7 +178,6 @@ def launch_learner(config, args: argparse.Namespace) -> int:
     """Exec torchrun with one process per local rank (``relayrl.learner.rank``); this process
     as the one rank when there is one (torchrun's agent would only watch it, for ~1.5 CPU-s and
     a second at every start); with ``--rank-from-slurm`` this process as one rank srun started."""
-    import socket
     import sys
     import tempfile
 
@@ -203,25 +202,26 @@ def launch_learner(config, args: argparse.Namespace) -> int:
     if config.world_size % nnodes:
         raise SystemExit(f"learner: world_size {config.world_size} is not a multiple of --nnodes {nnodes}")
     port = args.master_port
-    if port is None:
-        if nnodes > 1:
-            raise SystemExit("learner: --master-port is required with several nodes")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    if port is None and nnodes > 1:
+        raise SystemExit("learner: --master-port is required with several nodes")
     addr = args.master_addr or "127.0.0.1"
+    # No port named (one node): the rendezvous store binds a free one itself and holds it (the
+    # one rank's store at port 0; torchrun's agent store with --standalone). A port picked here
+    # and closed again can be taken before the store binds it: EADDRINUSE at start, seen in CI.
     if config.world_size == 1:
         one = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
-        exec_rank({**one, "MASTER_ADDR": addr, "MASTER_PORT": str(port)})
+        exec_rank({**one, "MASTER_ADDR": addr, "MASTER_PORT": str(port or 0)})
+    if port is None:
+        rendezvous = ["--standalone"]
+    else:
+        rendezvous = [f"--nnodes={nnodes}", f"--node_rank={args.node_rank or 0}"]
+        rendezvous += [f"--master_addr={addr}", f"--master_port={port}"]
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         f"--nproc_per_node={config.world_size // nnodes}",
-        f"--nnodes={nnodes}",
-        f"--node_rank={args.node_rank or 0}",
-        f"--master_addr={addr}",
-        f"--master_port={port}",
+        *rendezvous,
         "-m",
         "relayrl.learner.rank",
         "--config",

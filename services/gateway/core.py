@@ -50,6 +50,7 @@ class GatewayCore:
         self.generators = generators
         self.metrics = metrics
         self.base_url = ""  # set once the HTTP API is bound
+        self.http_port = 0  # the port it bound (http.port, or the free one 0 picked)
         self.sessions: dict[str, Session] = {}
         self.closed: OrderedDict[str, tuple[float, gw.CloseSessionResponse]] = OrderedDict()
         self.in_flight = 0

@@ -49,7 +49,7 @@ async def build(config: GatewayConfig) -> tuple[ServerHandle, GatewayCore]:
     handle = create_server(GatewayServicer(core), DESCRIPTOR, config.serve)
     app = make_app(core, config.http, metrics=metrics, retry_after_s=config.retry_after_seconds)
     runner, port = await serve_http(app, config.http.host, config.http.port, tls=tls_context(config))
-    core.base_url = base_url(config, port)
+    core.base_url, core.http_port = base_url(config, port), port
     sweeper = asyncio.ensure_future(core.sweep_forever())
 
     async def stop_rest() -> None:

@@ -35,8 +35,6 @@ from relayrl.generator.v1 import generator_pb2
 from relayrl.learner.v1 import learner_pb2
 from relayrl.reward.v1 import reward_pb2, reward_pb2_grpc
 
-from tests.kit.net import free_port
-
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 COMPOSE_DIR = DEPLOY / "compose"
@@ -343,15 +341,16 @@ async def gateway_server(config):
     """The real gateway replica (``relayrl.gateway.server.build``) with the access settings of
     ``config`` (a ``GatewayConfig``, as a deployment's command builds it: its HTTPS files and
     ``public_url`` kept), its gRPC API on 127.0.0.1 and a free port, its HTTP API on 127.0.0.1 and
-    another; yields (gRPC port, HTTP port)."""
+    another (both bound to port 0: a port picked and closed first could be taken before the bind);
+    yields (gRPC port, HTTP port)."""
     from relayrl.gateway.server import build
 
     serve = config.serve.model_copy(update={"host": "127.0.0.1", "port": 0, "metrics_port": None})
-    http = config.http.model_copy(update={"host": "127.0.0.1", "port": free_port()})
-    handle, _core = await build(config.model_copy(update={"serve": serve, "http": http}))
+    http = config.http.model_copy(update={"host": "127.0.0.1", "port": 0})
+    handle, core = await build(config.model_copy(update={"serve": serve, "http": http}))
     await start(handle, ready=True)
     try:
-        yield handle.port, http.port
+        yield handle.port, core.http_port
     finally:
         await handle.stop(0)
 

@@ -8,8 +8,6 @@ from pathlib import Path
 
 from relayrl.learner.v1 import learner_pb2 as lp
 
-from tests.kit.net import free_port
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -34,14 +32,9 @@ def batch(seed: int, n: int = 6) -> list[lp.TrainSample]:
 
 
 def torchrun(script: str, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    """Run ``tests/integration/<script>`` under torchrun with ``nproc`` ranks on a free port."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        f"--master_port={free_port()}",
-    ]
+    """Run ``tests/integration/<script>`` under torchrun with ``nproc`` ranks; ``--standalone``:
+    torchrun's agent binds the rendezvous store's port itself (a port picked first could be taken)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"]
     res = subprocess.run(
         [*cmd, str(ROOT / "tests/integration" / script), *args],
         capture_output=True,

@@ -11,11 +11,9 @@ import pytest
 
 PROBE = textwrap.dedent(
     """
-    import os, socket, sys
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    import os, sys
+    # Port 0, as the launcher sets it for one rank: the rank's store binds a free port itself.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     from relayrl.learner.rank import init_distributed
 
     init_distributed(with_deepspeed=True)

@@ -260,8 +260,9 @@ def _launched(monkeypatch, world_size: int, **flags) -> tuple[list[str], dict[st
         raise Exec(cmd)
 
     monkeypatch.setattr(serve_cli.os, "execv", execv)
-    args = argparse.Namespace(port_file="/tmp/p", rank_from_slurm=False, nnodes=None, node_rank=None,
-                              master_addr=None, master_port=None, **flags)  # fmt: skip
+    fields = dict(port_file="/tmp/p", rank_from_slurm=False, nnodes=None, node_rank=None, master_addr=None,
+                  master_port=None)  # fmt: skip
+    args = argparse.Namespace(**{**fields, **flags})
     with pytest.raises(Exec) as got:
         serve_cli.launch_learner(LearnerConfig(model="m", world_size=world_size), args)
     cmd = got.value.args[0]
@@ -274,7 +275,16 @@ def test_one_rank_is_this_process_and_several_go_through_torchrun(monkeypatch):
     cmd, env = _launched(monkeypatch, 1)
     assert cmd[1:3] == ["-m", "relayrl.learner.rank"] and cmd[-2:] == ["--port-file", "/tmp/p"]
     assert env["RANK"] == "0" and env["WORLD_SIZE"] == "1" and env["MASTER_ADDR"] == "127.0.0.1"
-    assert 0 < int(env["MASTER_PORT"]) < 65536
+    # No port named: the rank's own store binds a free one (a port picked and closed could be taken).
+    assert env["MASTER_PORT"] == "0"
     cmd, env = _launched(monkeypatch, 2)
     assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--nproc_per_node=2" in cmd and env == {}
     assert cmd[cmd.index("-m", 3) + 1] == "relayrl.learner.rank"
+    assert "--standalone" in cmd and not any(a.startswith("--master_port") for a in cmd)  # torchrun's store
+
+
+def test_a_named_rendezvous_port_is_the_one_used(monkeypatch):
+    cmd, env = _launched(monkeypatch, 1, master_port=29511)
+    assert env["MASTER_PORT"] == "29511"
+    cmd, env = _launched(monkeypatch, 2, master_port=29511)
+    assert "--master_port=29511" in cmd and "--standalone" not in cmd

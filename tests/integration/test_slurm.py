@@ -29,17 +29,20 @@ import pytest
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 16
-STEPS_B = 10
+STEPS_B = 16
 """Job B's run (cancelled, resumed, requeued, completed): enough steps for each to happen mid-run;
 A's run is long enough to learn."""
+PROMPTS_B, N_B = 8, 4
+"""Job B's steps are a quarter of A's (prompts x samples): it proves no step or prompt lost over
+its stops, not learning, and A trains beside it on the same two cores."""
 EXPERIMENT = """
 name: {name}
 seed: 0
 runs_dir: {runs}
 model: {{path: {model}}}
 data: {{train: {data}/train.parquet, test: {data}/test.parquet}}
-sampling: {{n: 8, temperature: 1.0, max_tokens: 24}}
-schedule: {{steps: {steps}, prompts_per_step: 16, max_staleness: 1, eval_every: 8, checkpoint_every: {every}}}
+sampling: {{n: {n}, temperature: 1.0, max_tokens: 24}}
+schedule: {{steps: {steps}, prompts_per_step: {prompts}, max_staleness: 1, eval_every: 8, checkpoint_every: {every}}}
 services: {{deadline_seconds: 120, stop_grace_seconds: 20}}
 learner: {{world_size: 1, optim: {{lr: 2.0e-4}}}}
 generator: {{engine: {{dtype: float32, max_model_len: 512, kv_cache_gib: 0.25}}}}
@@ -161,6 +164,7 @@ def test_two_jobs_train_side_by_side_and_one_survives_scancel_and_requeue(cluste
         exp.write_text(textwrap.dedent(EXPERIMENT.format(
             name=f"slurm{name}", runs=tmp_path / name / "runs", model=reverse_assets / "model",
             data=reverse_assets / "data", steps=STEPS if name == "a" else STEPS_B,
+            prompts=16 if name == "a" else PROMPTS_B, n=8 if name == "a" else N_B,
             every=8 if name == "a" else 1)))  # fmt: skip
         work[name] = exp
     stale = secrets_of(tmp_path / "a", "4000000")  # a job Slurm no longer knows, killed outright
@@ -171,7 +175,7 @@ def test_two_jobs_train_side_by_side_and_one_survives_scancel_and_requeue(cluste
     # Both run at once on the one node.
     wait_for(lambda: state(env, a) == "RUNNING" and state(env, b) == "RUNNING", 120)
     run_b = wait_for(lambda: run_dir(tmp_path / "b" / "runs"), 300)
-    wait_for(lambda: steps_done(run_b) >= 3, 900)
+    wait_for(lambda: steps_done(run_b) >= 3, 900, every=0.5)  # B steps take ~1 s: catch it early
     run_a = run_dir(tmp_path / "a" / "runs")
     assert run_a is not None and run_a != run_b
     ports = [sorted(p.read_text().strip() for p in (r / "logs").glob("*.port")) for r in (run_a, run_b)]
@@ -194,7 +198,7 @@ def test_two_jobs_train_side_by_side_and_one_survives_scancel_and_requeue(cluste
     b2 = sbatch(env, tmp_path / "b", "--resume", str(run_b))
     secrets[b2] = secrets_of(tmp_path / "b", b2)
     out_b2 = tmp_path / "b" / f"job-{b2}.out"
-    wait_for(lambda: checkpoint_step(run_b) >= saved["step"] + 2, 900)
+    wait_for(lambda: checkpoint_step(run_b) >= saved["step"] + 2, 900, every=0.5)
     assert state(env, b2) == "RUNNING", _diagnose(env, b2, out_b2, run_b)
     subprocess.run(["scontrol", "requeue", b2], env=env, check=True, timeout=30)
     try:
@@ -220,7 +224,7 @@ def test_two_jobs_train_side_by_side_and_one_survives_scancel_and_requeue(cluste
     ledger = [json.loads(x) for x in (run_b / "ledger.jsonl").read_text().splitlines() if x.strip()]
     assert [e["step"] for e in ledger] == list(range(1, STEPS_B + 1))
     prompts = [p for e in ledger for p in e["prompts"]]
-    assert len(prompts) == len(set(prompts)) == STEPS_B * 16  # no prompt lost, none trained twice
+    assert len(prompts) == len(set(prompts)) == STEPS_B * PROMPTS_B  # no prompt lost, none trained twice
     assert not processes_of(run_a) and not processes_of(run_b)
     # Every job's secrets gone with it (B2's only at its end: kept over its requeue, above).
     wait_for(lambda: not any(path.exists() for path in secrets.values()), 60, every=1.0)

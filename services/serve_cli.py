@@ -201,7 +201,7 @@ def launch_learner(config, args: argparse.Namespace) -> int:
     nnodes = args.nnodes or 1
     if config.world_size % nnodes:
         raise SystemExit(f"learner: world_size {config.world_size} is not a multiple of --nnodes {nnodes}")
-    port = args.master_port
+    port = args.master_port or None  # 0 names no port: torchrun's static rendezvous would wait on it
     if port is None and nnodes > 1:
         raise SystemExit("learner: --master-port is required with several nodes")
     addr = args.master_addr or "127.0.0.1"

@@ -288,3 +288,9 @@ def test_a_named_rendezvous_port_is_the_one_used(monkeypatch):
     assert env["MASTER_PORT"] == "29511"
     cmd, env = _launched(monkeypatch, 2, master_port=29511)
     assert "--master_port=29511" in cmd and "--standalone" not in cmd
+
+
+def test_port_0_names_no_port(monkeypatch):
+    """--master-port 0 is a free port, as no port is: torchrun's static rendezvous on port 0 waits."""
+    cmd, _ = _launched(monkeypatch, 2, master_port=0)
+    assert "--standalone" in cmd and not any(a.startswith("--master_port") for a in cmd)

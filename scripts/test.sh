@@ -45,7 +45,16 @@ fetch_test_packages &
 fetching=$!
 site="$(mktemp -d)"
 # A failed check or Ctrl-C ends the fetch too: a later run would otherwise install beside it.
-trap 'pkill -P "$fetching" 2>/dev/null; kill "$fetching" 2>/dev/null; rm -rf "$site"' EXIT
+# The script's exit status stays the one it ended with (pytest's): under `set -e` a command that
+# fails inside the trap (kill of a fetch already waited for) would otherwise exit 1 after a green run.
+end_fetch() {
+  local rc=$?
+  pkill -P "$fetching" 2>/dev/null || true
+  kill "$fetching" 2>/dev/null || true
+  rm -rf "$site"
+  exit "$rc"
+}
+trap end_fetch EXIT
 ruff check .
 ruff format --check .
 python scripts/gen_protos.py --check

@@ -151,11 +151,14 @@ def check_access(service: str, serve) -> None:
 def slurm_rank_env(config, args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
     """torch.distributed's variables for one rank srun started (``--rank-from-slurm``).
 
-    >>> a = argparse.Namespace(master_addr="n1", master_port=29500)
-    >>> slurm_rank_env(argparse.Namespace(world_size=2), a, {"SLURM_PROCID": "1", "SLURM_LOCALID": "0",
-    ...                "SLURM_NTASKS": "2"})["RANK"]
-    '1'
+    >>> a = argparse.Namespace(master_addr="n1", master_port=None, rendezvous_file="/runs/r/rdzv/l.port")
+    >>> e = slurm_rank_env(argparse.Namespace(world_size=2), a, {"SLURM_PROCID": "1", "SLURM_LOCALID": "0",
+    ...                    "SLURM_NTASKS": "2"})
+    >>> e["RANK"], e["RELAYRL_RENDEZVOUS_FILE"], "MASTER_PORT" in e
+    ('1', '/runs/r/rdzv/l.port', False)
     """
+    from relayrl.learner.config import RENDEZVOUS_FILE_VAR
+
     missing = [v for v in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS") if v not in env]
     if missing:
         raise SystemExit(f"learner --rank-from-slurm: {', '.join(missing)} unset: start it with srun")
@@ -163,15 +166,22 @@ def slurm_rank_env(config, args: argparse.Namespace, env: dict[str, str]) -> dic
         raise SystemExit(
             f"learner: srun started {env['SLURM_NTASKS']} tasks for world_size {config.world_size}"
         )
-    if not args.master_addr or not args.master_port:
-        raise SystemExit("learner --rank-from-slurm: --master-addr and --master-port are required")
-    return {
+    rendezvous = getattr(args, "rendezvous_file", None)
+    if not args.master_addr or not (args.master_port or rendezvous):
+        raise SystemExit(
+            "learner --rank-from-slurm: --master-addr and --master-port (or --rendezvous-file) are required"
+        )
+    out = {
         "RANK": env["SLURM_PROCID"],
         "LOCAL_RANK": env["SLURM_LOCALID"],
         "WORLD_SIZE": env["SLURM_NTASKS"],
         "MASTER_ADDR": args.master_addr,
-        "MASTER_PORT": str(args.master_port),
     }
+    if rendezvous:  # rank 0's store binds a free port and publishes it there
+        out[RENDEZVOUS_FILE_VAR] = rendezvous
+    else:
+        out["MASTER_PORT"] = str(args.master_port)
+    return out
 
 
 def launch_learner(config, args: argparse.Namespace) -> int:
@@ -198,6 +208,8 @@ def launch_learner(config, args: argparse.Namespace) -> int:
 
     if getattr(args, "rank_from_slurm", False):
         exec_rank(slurm_rank_env(config, args, dict(os.environ)))
+    if getattr(args, "rendezvous_file", None):  # torchrun's agent holds its own rendezvous
+        raise SystemExit("learner: --rendezvous-file goes with --rank-from-slurm (ranks srun started)")
     nnodes = args.nnodes or 1
     if config.world_size % nnodes:
         raise SystemExit(f"learner: world_size {config.world_size} is not a multiple of --nnodes {nnodes}")
@@ -244,7 +256,12 @@ def torchrun_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="this process is one rank, started by srun (one task per rank): its rank from "
         "SLURM_PROCID, SLURM_LOCALID and SLURM_NTASKS, no torchrun; --master-addr and "
-        "--master-port name rank 0's rendezvous",
+        "--master-port (or --rendezvous-file) name rank 0's rendezvous",
+    )
+    g.add_argument(
+        "--rendezvous-file",
+        help="with --rank-from-slurm, instead of --master-port: rank 0's store binds a free port "
+        "and writes it to this file, which the other ranks read (a path every node shares)",
     )
 
 

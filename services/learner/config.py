@@ -91,6 +91,12 @@ class OptimConfig(StrictModel):
     """Clip the global gradient norm to this."""
 
 
+RENDEZVOUS_FILE_VAR = "RELAYRL_RENDEZVOUS_FILE"
+"""A learner rank's environment variable naming the file where rank 0 publishes the training
+group's rendezvous port, bound by its own store (``learner/rendezvous.py``): what the Ray and
+Slurm launchers give the ranks instead of a port picked free beforehand, which another process
+can take before rank 0 binds it."""
+
 LmHead = Literal["auto", "fused", "chunked"]
 """``LearnerConfig.lm_head``."""
 

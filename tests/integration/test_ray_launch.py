@@ -270,7 +270,14 @@ def test_launch_ray_runs_trains_resumes_and_cleans_up(ray_head, workspace):
     ranks = {r["name"]: r["env"] for r in launched if r["name"].startswith("learner")}
     assert ranks["learner"]["RANK"] == "0" and ranks["learner-rank1"]["RANK"] == "1"
     assert {e["MASTER_ADDR"] for e in ranks.values()} == {"127.0.0.1"}
-    assert ranks["learner"]["MASTER_PORT"] == ranks["learner-rank1"]["MASTER_PORT"]
+    # No port picked beforehand: rank 0's store bound one and published it in a file of the run
+    # folder that its follower read; a file per launch (the run, then its resume).
+    files = [r["env"]["RELAYRL_RENDEZVOUS_FILE"] for r in launched if r["name"].startswith("learner")]
+    assert all("MASTER_PORT" not in r["env"] for r in launched)
+    assert files[0] == files[1] != files[2] == files[3], files
+    assert all(
+        Path(f).parent == run_dir / "rendezvous" and 0 < int(Path(f).read_text()) < 65536 for f in files
+    )
 
     actors = [f"{run_dir.name}-{r}" for r in ("learner-0", "learner-1", "gen-0", "reward-0")]
     state = _cluster_state(ray_head, actors)

@@ -57,20 +57,21 @@ def test_ranks_are_numbered_per_node_like_torchrun():
     slots = [
         Slot("B" if i % 2 else "A", "10.0.0.2" if i % 2 else "10.0.0.1", (str(7 - i // 2),)) for i in range(8)
     ]
-    envs = assign_ranks(slots, 29500)
+    envs = assign_ranks(slots, "/runs/r/rendezvous/learner-1.port")
     assert sorted(e.rank for e in envs) == list(range(8))
     for slot, e in zip(slots, envs, strict=True):
         assert e.node_rank == (0 if slot.node_id == "A" else 1)  # bundle 0's node holds rank 0
         assert e.rank == e.node_rank * 4 + e.local_rank  # consecutive within a node
         assert e.env["CUDA_VISIBLE_DEVICES"].split(",")[e.local_rank] == slot.gpus[0]
-        assert e.env["MASTER_ADDR"] == "10.0.0.1" and e.env["MASTER_PORT"] == "29500"
+        assert e.env["MASTER_ADDR"] == "10.0.0.1" and "MASTER_PORT" not in e.env  # rank 0 publishes it
+        assert e.env["RELAYRL_RENDEZVOUS_FILE"] == "/runs/r/rendezvous/learner-1.port"
         assert e.env["WORLD_SIZE"] == "8" and e.env["LOCAL_WORLD_SIZE"] == "4"
     assert envs[0].env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
 
 
 def test_uneven_placement_still_gives_every_rank_one_gpu():
     slots = [Slot("A", "a", ("0",)), Slot("A", "a", ("1",)), Slot("A", "a", ("2",)), Slot("B", "b", ("0",))]
-    envs = assign_ranks(slots, 1)
+    envs = assign_ranks(slots, "f")
     assert [(e.rank, e.local_rank, e.env["LOCAL_WORLD_SIZE"]) for e in envs] == [
         (0, 0, "3"),
         (1, 1, "3"),
@@ -81,7 +82,7 @@ def test_uneven_placement_still_gives_every_rank_one_gpu():
 
 
 def test_cpu_ranks_carry_no_device_list():
-    envs = assign_ranks([Slot("n", "127.0.0.1"), Slot("n", "127.0.0.1")], 5)
+    envs = assign_ranks([Slot("n", "127.0.0.1"), Slot("n", "127.0.0.1")], "f")
     assert [e.env["LOCAL_RANK"] for e in envs] == ["0", "1"]
     assert all("CUDA_VISIBLE_DEVICES" not in e.env for e in envs)
 

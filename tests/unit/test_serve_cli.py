@@ -250,7 +250,8 @@ def _launched(monkeypatch, world_size: int, **flags) -> tuple[list[str], dict[st
     """What ``launch_learner`` execs, and the torch.distributed variables it leaves set."""
     from relayrl.learner.config import LearnerConfig
 
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "RELAYRL_RENDEZVOUS_FILE"):  # fmt: skip
         monkeypatch.delenv(var, raising=False)
 
     class Exec(Exception):
@@ -261,7 +262,7 @@ def _launched(monkeypatch, world_size: int, **flags) -> tuple[list[str], dict[st
 
     monkeypatch.setattr(serve_cli.os, "execv", execv)
     fields = dict(port_file="/tmp/p", rank_from_slurm=False, nnodes=None, node_rank=None, master_addr=None,
-                  master_port=None)  # fmt: skip
+                  master_port=None, rendezvous_file=None)  # fmt: skip
     args = argparse.Namespace(**{**fields, **flags})
     with pytest.raises(Exec) as got:
         serve_cli.launch_learner(LearnerConfig(model="m", world_size=world_size), args)
@@ -294,3 +295,18 @@ def test_port_0_names_no_port(monkeypatch):
     """--master-port 0 is a free port, as no port is: torchrun's static rendezvous on port 0 waits."""
     cmd, _ = _launched(monkeypatch, 2, master_port=0)
     assert "--standalone" in cmd and not any(a.startswith("--master_port") for a in cmd)
+
+
+def test_ranks_srun_started_meet_through_a_rendezvous_file_or_a_named_port(monkeypatch):
+    slurm = {"SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "2"}
+    for k, v in slurm.items():
+        monkeypatch.setenv(k, v)
+    cmd, env = _launched(monkeypatch, 2, rank_from_slurm=True, master_addr="n1", rendezvous_file="/r/l.port")
+    assert cmd[1:3] == ["-m", "relayrl.learner.rank"] and env["RANK"] == "1" and env["MASTER_ADDR"] == "n1"
+    assert os.environ["RELAYRL_RENDEZVOUS_FILE"] == "/r/l.port" and "MASTER_PORT" not in env
+    _, env = _launched(monkeypatch, 2, rank_from_slurm=True, master_addr="n1", master_port=29511)
+    assert env["MASTER_PORT"] == "29511" and "RELAYRL_RENDEZVOUS_FILE" not in os.environ
+    with pytest.raises(SystemExit, match="--rendezvous-file"):
+        _launched(monkeypatch, 2, rank_from_slurm=True, master_addr="n1")
+    with pytest.raises(SystemExit, match="goes with --rank-from-slurm"):
+        _launched(monkeypatch, 2, rendezvous_file="/r/l.port")

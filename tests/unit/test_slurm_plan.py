@@ -233,3 +233,35 @@ def test_a_service_lingers_after_a_first_sigterm_and_stops_at_a_second(tmp_path)
     with service(["env"], tmp_path) as (addr, proc):  # without it: the first signal stops it
         os.kill(proc.proc.pid, signal.SIGTERM)
         proc.proc.wait(timeout=20)
+
+
+def test_learner_ranks_across_nodes_meet_at_the_port_rank_0_publishes(tmp_path, monkeypatch):
+    """No port is picked beforehand (it could be taken before rank 0 binds it): the ranks get a
+    rendezvous file in the run folder, a new one per start, and rank 0 writes its store's port."""
+    svc = _services(tmp_path, monkeypatch, "n1,n2,n3", secrets="/s")
+    svc.cfg.learner.world_size = 2
+    svc.plan = plan(svc.cfg, Allocation("77", ("n1", "n2", "n3"), gpus_per_node=1))  # a GPU a rank
+    assert not svc.plan.steps["learner"].local and len(svc.plan.steps["learner"].nodes) == 2
+    started = []
+
+    class Ready:
+        def wait_ready(self, timeout, host):
+            return f"{host}:1"
+
+    def start(step, args, section):
+        started.append((step.name, args))
+        return Ready()
+
+    svc._start = start
+    svc.start(timeout=1)
+    svc.start(timeout=1)
+    runs = [args for name, args in started if name == "learner"]
+    assert len(runs) == 2 and all("--master-port" not in a for a in runs)
+    files = [Path(a[a.index("--rendezvous-file") + 1]) for a in runs]
+    assert all(f.parent == svc.run_dir / "rendezvous" for f in files) and files[0] != files[1]
+    assert runs[0][:4] == [
+        "learner",
+        "--rank-from-slurm",
+        "--master-addr",
+        svc.plan.steps["learner"].nodes[0],
+    ]

@@ -18,7 +18,7 @@ Separate groups, not one, because a group has one strategy: the learner wants it
 Then ``assign_ranks`` numbers the learner ranks from where the bundles landed, the way torchrun
 would on each node: ranks on the same node are consecutive, LOCAL_RANK counts within the node,
 every rank sees the node's learner GPUs in CUDA_VISIBLE_DEVICES and picks its own by LOCAL_RANK,
-and MASTER_ADDR is the node of rank 0.
+and MASTER_ADDR is the node of rank 0, whose store publishes its port in a file of the run folder.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.launch.replicas import replicas
+from relayrl.learner.config import RENDEZVOUS_FILE_VAR
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ def _gpu_key(g: str):
     return (0, int(g), "") if g.isdigit() else (1, 0, g)
 
 
-def assign_ranks(slots: list[Slot], master_port: int) -> list[RankEnv]:
+def assign_ranks(slots: list[Slot], rendezvous_file: str) -> list[RankEnv]:
     """Ranks for the learner slots (in bundle order), as torchrun would number them per node.
 
     Nodes are taken in order of their first bundle (bundle 0's node holds rank 0); within a node,
@@ -139,12 +140,12 @@ def assign_ranks(slots: list[Slot], master_port: int) -> list[RankEnv]:
 
     >>> slots = [Slot("b", "10.0.0.2", ("3",)), Slot("a", "10.0.0.1", ("1",)),
     ...          Slot("b", "10.0.0.2", ("0",)), Slot("a", "10.0.0.1", ("0",))]
-    >>> [(e.rank, e.local_rank, e.node_rank) for e in assign_ranks(slots, 29500)]
+    >>> [(e.rank, e.local_rank, e.node_rank) for e in assign_ranks(slots, "/runs/r/rendezvous/learner-1.port")]
     [(1, 1, 0), (3, 1, 1), (0, 0, 0), (2, 0, 1)]
-    >>> e = assign_ranks(slots, 29500)[1].env
+    >>> e = assign_ranks(slots, "/runs/r/rendezvous/learner-1.port")[1].env
     >>> e["MASTER_ADDR"], e["CUDA_VISIBLE_DEVICES"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]
     ('10.0.0.2', '0,1', '4', '2')
-    >>> assign_ranks([Slot("a", "127.0.0.1"), Slot("a", "127.0.0.1")], 1)[1].env["LOCAL_RANK"]
+    >>> assign_ranks([Slot("a", "127.0.0.1"), Slot("a", "127.0.0.1")], "f")[1].env["LOCAL_RANK"]
     '1'
     """
     nodes: dict[str, list[int]] = {}
@@ -167,7 +168,8 @@ def assign_ranks(slots: list[Slot], master_port: int) -> list[RankEnv]:
                 "GROUP_RANK": str(node_rank),
                 "NODE_RANK": str(node_rank),
                 "MASTER_ADDR": master,
-                "MASTER_PORT": str(master_port),
+                # rank 0's store binds a free port and publishes it there (learner/rendezvous.py)
+                RENDEZVOUS_FILE_VAR: rendezvous_file,
             }
             if devices:  # the node's learner GPUs, so LOCAL_RANK picks this rank's own
                 env["CUDA_VISIBLE_DEVICES"] = devices

@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -253,8 +254,11 @@ class RayServices(Addresses):
         ``reference``); rank 0 (named as the role) serves gRPC."""
         c = self.cfg
         slots = [Slot(where[r]["node_id"], where[r]["ip"], tuple(where[r]["gpus"])) for r in g.roles]
-        first = next(i for i, e in enumerate(assign_ranks(slots, 0)) if e.rank == 0)
-        ranks = assign_ranks(slots, self._get(g.roles[first], self.hosts[g.roles[first]].free_port.remote()))
+        # Rank 0 binds its rendezvous store on a free port and writes it here, for the other
+        # ranks to read (the run folder is on every node: docs/ray.md); a file per launch.
+        rendezvous = self.run_dir / "rendezvous" / f"{role}-{uuid.uuid4().hex[:12]}.port"
+        ranks = assign_ranks(slots, str(rendezvous))
+        first = next(i for i, e in enumerate(ranks) if e.rank == 0)
         ip0 = slots[first].ip
         section = c.role_sections()[role]
         update = {"serve": section.serve.model_copy(update={"host": self._bind(ip0), "port": 0})}

@@ -3,9 +3,10 @@
 Flow (``deploy/slurm/relayrl.sbatch`` runs this as its batch step, on the job's first node): the
 allocation (``plan.Allocation``) -> where every service goes (``plan.plan``) -> each service
 started: on the first node as a child process, on the others as an ``srun`` step of this job (the
-learner's ranks one task each, ``--rank-from-slurm``: no torchrun); every one binds a free port and
-announces it in a port file in the run folder (shared storage), so two jobs on one node never
-collide -> the coordinator loop runs in this process exactly as ``relayrl run`` does
+learner's ranks one task each, ``--rank-from-slurm``: no torchrun; rank 0's rendezvous store binds
+a free port and publishes it in a file of the run folder, ``--rendezvous-file``); every one binds a
+free port and announces it in a port file in the run folder (shared storage), so two jobs on one
+node never collide -> the coordinator loop runs in this process exactly as ``relayrl run`` does
 (``run.launch_slurm``, inside ``job``) -> every service stopped, however the run ends.
 
 Stopping. SIGTERM to this process (``--signal=B:TERM@<seconds>`` before the time limit, or
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -180,14 +182,14 @@ class SlurmServices(Addresses):
             if step.local:  # torchrun, one rank per GPU it was given
                 args = ["learner"]
             else:
-                host = step.nodes[0]
+                rendezvous = self.run_dir / "rendezvous" / f"{role}-{uuid.uuid4().hex[:12]}.port"
                 args = [
                     "learner",
                     "--rank-from-slurm",
                     "--master-addr",
-                    host,
-                    "--master-port",
-                    str(free_port(host)),
+                    step.nodes[0],
+                    "--rendezvous-file",
+                    str(rendezvous),
                 ]
             started[role] = (self._start(step, args, section), step)
         for r in replicas(c, "generator", "reward", "env"):
@@ -259,18 +261,6 @@ def signal_step(step: str) -> None:
     got = subprocess.run(["scancel", "--signal=TERM", step], capture_output=True, text=True, timeout=30)
     if got.returncode:
         logger.warning("scancel --signal=TERM %s: %s", step, got.stderr.strip()[:300])
-
-
-def free_port(node: str) -> int:
-    """A free TCP port on ``node`` (a learner's rendezvous), asked there by a short step."""
-    probe = [
-        sys.executable,
-        "-c",
-        "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])",
-    ]
-    cmd = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}", *probe]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
-    return int(out.stdout.split()[-1])
 
 
 @contextmanager

@@ -1,0 +1,58 @@
+"""The training group's rendezvous port, bound by rank 0 and published in a file, instead of a
+port picked free beforehand (``RELAYRL_RENDEZVOUS_FILE``: the Ray and Slurm launchers).
+
+A port found free and closed again, then handed to rank 0's store, can be taken by any process
+of the node in between (seconds: rank 0 imports torch first); its store then fails with
+EADDRINUSE and the learner never starts. Here rank 0's store binds port 0, so the kernel gives
+it a port nobody holds, and rank 0 writes that port to the file; the other ranks, on any node,
+wait for the file (the launchers require a filesystem every node shares, the run folder's) and
+dial it. Each launch names a file of its own, so no rank reads an earlier launch's port."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from relayrl.learner.config import RENDEZVOUS_FILE_VAR
+
+__all__ = ["RENDEZVOUS_FILE_VAR", "await_port", "publish"]
+WAIT_S = 900.0  # rank 0's start: its imports, and a model read from shared storage
+POLL_S = 0.2
+
+
+def publish(path: Path, addr: str, world_size: int, timeout: timedelta):
+    """Rank 0: its store on a port the kernel picks, held from here on, written to ``path``
+    (whole: a temporary file renamed into place). Returns the store, which the caller keeps."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore(addr, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(f"{store.port}\n")
+    tmp.replace(path)
+    return store
+
+
+def await_port(path: Path, wait_s: float = WAIT_S, poll_s: float = POLL_S) -> int:
+    """Another rank: the port rank 0 wrote to ``path``, once it is there. Raises RuntimeError,
+    naming the file, when none appears within ``wait_s`` (the launcher ends a group whose rank 0
+    died, so this bound is for a rank 0 that never started)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            text = ""
+        if text.endswith("\n"):  # written whole (renamed into place), never half
+            port = int(text)
+            if not 0 < port < 65536:
+                raise RuntimeError(f"rendezvous file {path} names no port: {text.strip()[:40]!r}")
+            return port
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"rank 0 published no rendezvous port in {path} within {wait_s:.0f} s "
+                "(did it start? every rank must see that folder: a shared filesystem)"
+            )
+        time.sleep(poll_s)

@@ -25,9 +25,9 @@ POLL_S = 0.2
 def publish(path: Path, addr: str, world_size: int, timeout: timedelta):
     """Rank 0: its store on a port the kernel picks, held from here on, written to ``path``
     (whole: a temporary file renamed into place). Returns the store, which the caller keeps."""
-    from torch.distributed import TCPStore
+    from relayrl.common.weightsync.group import master_store  # the weight-sync groups' rank 0 alike
 
-    store = TCPStore(addr, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+    store = master_store(addr, world_size, timeout.total_seconds())
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(f"{store.port}\n")

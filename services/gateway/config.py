@@ -18,7 +18,12 @@ class HttpConfig(StrictModel):
     """HTTP port; 0 picks a free one (logged, and in OpenSessionResponse.base_url)."""
     public_url: str = Field("", max_length=512)
     """Base URL handed to agents (OpenSessionResponse.base_url), e.g. the Kubernetes service's
-    "http://relayrl-gateway:8000/v1"; empty: ``http(s)://<host>:<port>/v1`` as bound."""
+    "http://relayrl-gateway:8000/v1"; empty: ``http(s)://<public_host or host>:<port>/v1`` as
+    bound."""
+    public_host: str = Field("", max_length=255, pattern=r"^[A-Za-z0-9.:_-]*$")
+    """Host named in that bound base URL when ``public_url`` is empty, with the port as bound
+    (``port`` 0 included): the node's address when ``host`` is a wildcard ("0.0.0.0", "::"), as
+    the Ray launcher sets it; empty: ``host``."""
     tls_cert: str | None = Field(None, min_length=1)
     """PEM certificate chain; with ``tls_key`` the API is served over HTTPS only."""
     tls_key: str | None = Field(None, min_length=1)

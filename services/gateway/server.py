@@ -26,15 +26,19 @@ DESCRIPTOR = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"]
 
 
 def base_url(config: GatewayConfig, port: int) -> str:
-    """What agents are pointed at: ``http.public_url``, else the bound address.
+    """What agents are pointed at: ``http.public_url``, else the bound port at ``public_host``
+    (or the bound host).
 
     >>> base_url(GatewayConfig(), 8000)
     'http://127.0.0.1:8000/v1'
+    >>> base_url(GatewayConfig(http={"host": "::", "public_host": "fd00::7", "insecure": True}), 41234)
+    'http://[fd00::7]:41234/v1'
     """
     if config.http.public_url:
         return config.http.public_url.rstrip("/")
     scheme = "https" if config.http.tls_cert else "http"
-    host = f"[{config.http.host}]" if ":" in config.http.host else config.http.host
+    named = config.http.public_host or config.http.host
+    host = f"[{named}]" if ":" in named else named
     return f"{scheme}://{host}:{port}/v1"
 
 

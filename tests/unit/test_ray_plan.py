@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 from relayrl.common.config import ConfigError
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.derive import load_experiment
 from relayrl.coordinator.launch.ray.plan import Slot, assign_ranks, needs, plan
+from relayrl.gateway.server import base_url
 
 
 def _cfg(**sections) -> ExperimentConfig:
@@ -181,14 +181,13 @@ def _gateways_started(cfg: ExperimentConfig, ip: str, tmp_path) -> tuple[object,
     """``RayServices._start_gateways`` with the Ray calls stood in: what each gateway is given."""
     from relayrl.coordinator.launch.ray.services import RayServices
 
-    class Host:  # an actor handle: free_port.remote() gives a reference for _get
-        free_port = SimpleNamespace(remote=lambda: None)
+    class Host:  # an actor handle: nothing is asked of it before the launch
+        pass
 
     svc = RayServices(cfg, tmp_path)
     svc.generators = {"gen-0": "192.0.2.5:4000"}  # documentation addresses: nothing is dialled
     svc.hosts = {f"gateway-{i}": Host() for i in range(2)}
     launched = {}
-    svc._get = lambda name, ref, timeout=None: 8000 + int(name[-1])  # free_port on its node
     svc._launch = lambda name, where, section, args: launched.setdefault(name, (section, args))
     svc._addresses = lambda names, where, deadline: {n: f"{ip}:5005{n[-1]}" for n in names}
     svc.record["services"] = {n: {} for n in svc.hosts}
@@ -197,12 +196,18 @@ def _gateways_started(cfg: ExperimentConfig, ip: str, tmp_path) -> tuple[object,
 
 
 def test_gateways_on_ray_sample_on_the_runs_generators_and_announce_their_node(tmp_path):
-    cfg = _cfg(**BLACK_BOX, gateway={"http": {"insecure": True}, "max_sessions": 9})
+    # a public_url of the experiment's would name one address for every replica: each names its own
+    cfg = _cfg(
+        **BLACK_BOX, gateway={"http": {"insecure": True, "public_url": "http://lb:1/v1"}, "max_sessions": 9}
+    )
     svc, launched = _gateways_started(cfg, "192.0.2.7", tmp_path)
     section, args = launched["gateway-1"]
     assert args == ["gateway"] and section.generators == ["192.0.2.5:4000"] and section.max_sessions == 9
-    assert (section.http.host, section.http.port) == ("192.0.2.7", 8001)
-    assert section.http.public_url == "http://192.0.2.7:8001/v1" and section.serve.host == "192.0.2.7"
+    # A port bound there (0: no port picked here, which could be taken before the gateway binds
+    # it), announced at the node's address with whatever port it bound.
+    assert (section.http.host, section.http.port, section.http.public_host) == ("192.0.2.7", 0, "192.0.2.7")
+    assert section.http.public_url == "" and section.serve.host == "192.0.2.7"
+    assert base_url(section, 41234) == "http://192.0.2.7:41234/v1"
     assert svc.gateways == {"gateway-0": "192.0.2.7:50050", "gateway-1": "192.0.2.7:50051"}
 
 
@@ -210,4 +215,4 @@ def test_a_gateway_off_loopback_without_tls_is_refused_naming_the_field(tmp_path
     with pytest.raises(ConfigError, match="gateway.http"):
         _gateways_started(_cfg(**BLACK_BOX), "192.0.2.7", tmp_path)
     _, launched = _gateways_started(_cfg(**BLACK_BOX), "127.0.0.1", tmp_path)  # a private instance
-    assert launched["gateway-0"][0].http.public_url == "http://127.0.0.1:8000/v1"
+    assert base_url(launched["gateway-0"][0], 8000) == "http://127.0.0.1:8000/v1"

@@ -39,12 +39,6 @@ class ServiceHost:
             "pid": os.getpid(),
         }
 
-    def free_port(self) -> int:
-        """A free TCP port on this node (the learner's rendezvous port, when this is rank 0)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
-
     def start(
         self,
         name: str,

@@ -281,7 +281,7 @@ class RayServices(Addresses):
 
     def _start_gateways(self, where: dict, deadline: float) -> None:
         """The gateways, once the generators they sample on serve. Each serves its OpenAI API on
-        a port of its node, announced to the agents (``http.public_url``) with the node's IP: env
+        a free port of its node, announced to the agents with the node's IP (``http.public_host``): env
         replicas on other nodes reach it there. Off loopback that API needs ``gateway.http``'s
         TLS or ``insecure``, as any service does (the config names the field)."""
         from pydantic import ValidationError
@@ -291,10 +291,9 @@ class RayServices(Addresses):
         names = [r.name for r in replicas(c, "gateway")]
         for name in names:
             ip = where[name]["ip"]
-            port = self._get(name, self.hosts[name].free_port.remote())
-            scheme = "https" if c.gateway.http.tls_cert else "http"
-            host = f"[{ip}]" if ":" in ip else ip
-            http = {"host": self._bind(ip), "port": port, "public_url": f"{scheme}://{host}:{port}/v1"}
+            # Port 0: the gateway binds a free one and announces it at its node's address (a
+            # port picked here and bound there later could be taken in between).
+            http = {"host": self._bind(ip), "port": 0, "public_host": ip, "public_url": ""}
             given = c.gateway.model_dump(exclude_unset=True)
             try:
                 section = GatewayConfig.model_validate(

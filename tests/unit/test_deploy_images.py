@@ -55,7 +55,7 @@ from tests.kit.deploy import (  # the token-env fixture applies to every test he
     score,
     secret_paths,
 )
-from tests.kit.net import free_port
+from tests.kit.net import refused_port
 
 
 @pytest.fixture(scope="module")
@@ -106,10 +106,10 @@ def test_healthcheck_exit_codes(health_server, capsys):
 def test_healthcheck_fails_within_its_deadline_when_nothing_listens():
     import time
 
-    port = free_port()
-    t0 = time.monotonic()
-    assert healthcheck_main([f"127.0.0.1:{port}", "--timeout", "1"]) == 1
-    assert time.monotonic() - t0 < 5
+    with refused_port() as port:
+        t0 = time.monotonic()
+        assert healthcheck_main([f"127.0.0.1:{port}", "--timeout", "1"]) == 1
+        assert time.monotonic() - t0 < 5
 
 
 def test_healthcheck_runs_as_a_module(health_server):

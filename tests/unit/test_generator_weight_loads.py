@@ -26,7 +26,7 @@ from relayrl.common.weightsync.shm import ROOT, Segment
 from relayrl.generator.v1 import generator_pb2 as g
 
 from tests.kit.fake_vllm import SHAPES, plan, replica, weights
-from tests.kit.net import free_port
+from tests.kit.net import refused_port
 from tests.kit.shm_push import Staging, open_shm
 from tests.kit.waits import error_of
 
@@ -127,12 +127,13 @@ INIT_CASES = {
 @pytest.mark.parametrize("case", list(INIT_CASES))
 async def test_hostile_init_weight_sync_gets_a_precise_code(tmp_path, case):
     fields, code, words = INIT_CASES[case]
-    if fields.get("master_port") == 0:
-        fields = {**fields, "master_port": free_port()}
-    async with replica(tmp_path) as r:
-        err = await error_of(r.stub.InitWeightSync(g.InitWeightSyncRequest(**fields)))
-        assert err.code() == code and words in err.details(), err.details()
-        assert not (await status(r.stub)).weight_sync_open
+    with refused_port() as closed:
+        if fields.get("master_port") == 0:
+            fields = {**fields, "master_port": closed}
+        async with replica(tmp_path) as r:
+            err = await error_of(r.stub.InitWeightSync(g.InitWeightSyncRequest(**fields)))
+            assert err.code() == code and words in err.details(), err.details()
+            assert not (await status(r.stub)).weight_sync_open
 
 
 def _hostile(staging: Staging, name: str, tmp_path) -> g.UpdateWeightsRequest:

@@ -18,7 +18,7 @@ from relayrl.coordinator.loop import Experiment
 from relayrl.coordinator.rollout.single_turn import SingleTurn
 
 from tests.kit.loop import Generators, Learner, Rewards
-from tests.kit.net import free_port
+from tests.kit.net import refused_port
 
 
 def _experiment(tmp_path, steps=4, checkpoint_every=2, **schedule) -> Experiment:
@@ -181,13 +181,14 @@ async def test_a_failed_call_names_the_service_and_the_call():
     from relayrl.coordinator.clients.learner import LearnerClient
     from relayrl.coordinator.errors import describe
 
-    address = f"127.0.0.1:{free_port()}"  # a port where nothing listens
-    critic = LearnerClient(address, 5.0, name="critic")
-    try:
-        with pytest.raises(grpc.aio.AioRpcError) as e:  # still the gRPC error callers act on
-            await critic.train_step("run", 1, [])
-    finally:
-        await critic.close()
+    with refused_port() as port:
+        address = f"127.0.0.1:{port}"  # a port where nothing listens
+        critic = LearnerClient(address, 5.0, name="critic")
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as e:  # still the gRPC error callers act on
+                await critic.train_step("run", 1, [])
+        finally:
+            await critic.close()
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     assert describe(e.value).startswith(f"critic ({address}) TrainStep: UNAVAILABLE: ")
 

@@ -46,7 +46,7 @@ def await_port(path: Path, wait_s: float = WAIT_S, poll_s: float = POLL_S) -> in
         except FileNotFoundError:
             text = ""
         if text.endswith("\n"):  # written whole (renamed into place), never half
-            port = int(text)
+            port = int(text) if text.strip().isdigit() else 0
             if not 0 < port < 65536:
                 raise RuntimeError(f"rendezvous file {path} names no port: {text.strip()[:40]!r}")
             return port

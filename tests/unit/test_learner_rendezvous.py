@@ -75,6 +75,7 @@ def test_no_file_within_the_bound_is_an_error_naming_it(tmp_path):
 
 def test_a_file_that_names_no_port_is_refused(tmp_path):
     path = tmp_path / "bad.port"
-    path.write_text("0\n")
-    with pytest.raises(RuntimeError, match="names no port"):
-        await_port(path, wait_s=1)
+    for text in ("0\n", "70000\n", "port\n"):
+        path.write_text(text)
+        with pytest.raises(RuntimeError, match="names no port"):
+            await_port(path, wait_s=1)

@@ -10,6 +10,7 @@ dial it. Each launch names a file of its own, so no rank reads an earlier launch
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from datetime import timedelta
@@ -20,6 +21,8 @@ from relayrl.learner.config import RENDEZVOUS_FILE_VAR
 __all__ = ["RENDEZVOUS_FILE_VAR", "await_port", "publish"]
 WAIT_S = 900.0  # rank 0's start: its imports, and a model read from shared storage
 POLL_S = 0.2
+SAY_EVERY_S = 60.0
+logger = logging.getLogger(__name__)
 
 
 def publish(path: Path, addr: str, world_size: int, timeout: timedelta):
@@ -39,7 +42,8 @@ def await_port(path: Path, wait_s: float = WAIT_S, poll_s: float = POLL_S) -> in
     """Another rank: the port rank 0 wrote to ``path``, once it is there. Raises RuntimeError,
     naming the file, when none appears within ``wait_s`` (the launcher ends a group whose rank 0
     died, so this bound is for a rank 0 that never started)."""
-    deadline = time.monotonic() + wait_s
+    start = time.monotonic()
+    deadline, said = start + wait_s, start
     while True:
         try:
             text = path.read_text()
@@ -55,4 +59,7 @@ def await_port(path: Path, wait_s: float = WAIT_S, poll_s: float = POLL_S) -> in
                 f"rank 0 published no rendezvous port in {path} within {wait_s:.0f} s "
                 "(did it start? every rank must see that folder: a shared filesystem)"
             )
+        if time.monotonic() - said >= SAY_EVERY_S:  # a wait that lasts says what it waits for
+            said = time.monotonic()
+            logger.warning("still waiting for rank 0's rendezvous port in %s (%.0f s)", path, said - start)
         time.sleep(poll_s)

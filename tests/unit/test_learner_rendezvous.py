@@ -65,12 +65,16 @@ def test_a_follower_waits_for_the_whole_file_then_reads_it(tmp_path):
     assert await_port(path, wait_s=10, poll_s=0.05) == 41234
 
 
-def test_no_file_within_the_bound_is_an_error_naming_it(tmp_path):
+def test_no_file_within_the_bound_is_an_error_naming_it(tmp_path, monkeypatch, caplog):
+    from relayrl.learner import rendezvous
+
+    monkeypatch.setattr(rendezvous, "SAY_EVERY_S", 0.1)
     path = tmp_path / "never.port"
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="never.port") as err:
-        await_port(path, wait_s=0.3, poll_s=0.05)
+        await_port(path, wait_s=0.5, poll_s=0.05)
     assert time.monotonic() - start < 5 and "shared filesystem" in str(err.value)
+    assert "still waiting for rank 0's rendezvous port in" in caplog.text  # a long wait says why
 
 
 def test_a_file_that_names_no_port_is_refused(tmp_path):

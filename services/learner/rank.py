@@ -16,7 +16,6 @@ from relayrl.common.lifeline import exit_with_parent
 from relayrl.learner.config import LearnerConfig
 
 logger = logging.getLogger(__name__)
-_STORE = None  # rank 0's rendezvous store (rendezvous()): the group's, for as long as the rank runs
 
 
 def init_distributed(with_deepspeed: bool = True) -> str:
@@ -24,8 +23,9 @@ def init_distributed(with_deepspeed: bool = True) -> str:
     communication layer, which its engines need. A one-rank plain engine needs neither it nor
     the memory its import takes."""
     import torch
+    from relayrl.learner import rendezvous
 
-    rendezvous()
+    rendezvous.join()  # with a rendezvous file: rank 0 publishes its port, the others read it
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "nccl"
@@ -59,33 +59,6 @@ def init_distributed(with_deepspeed: bool = True) -> str:
     else:
         torch.distributed.init_process_group(backend=backend)
     return backend
-
-
-def rendezvous() -> None:
-    """With ``RELAYRL_RENDEZVOUS_FILE`` (learner/rendezvous.py): rank 0 binds its store on a free
-    port and publishes it; the others read the port into ``MASTER_PORT``. Without it,
-    torchrun's or the launcher's ``MASTER_PORT`` stands."""
-    from pathlib import Path
-
-    from relayrl.learner.rendezvous import RENDEZVOUS_FILE_VAR, await_port, publish
-
-    path = os.environ.get(RENDEZVOUS_FILE_VAR)
-    if not path:
-        return
-    if os.environ.get("RANK", "0") != "0":
-        os.environ["MASTER_PORT"] = str(await_port(Path(path)))
-        return
-    from torch.distributed.constants import default_pg_timeout
-
-    global _STORE
-    addr, world = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["WORLD_SIZE"])
-    _STORE = publish(Path(path), addr, world, default_pg_timeout)  # held while the rank lives
-    os.environ["MASTER_PORT"] = str(_STORE.port)
-    # Rank 0 then joins its own store as a client, as torchrun's ranks join their agent's
-    # (torch.distributed.rendezvous: every rank a client when the agent holds the store): the
-    # group forms through env:// alike on every rank, DeepSpeed's init included.
-    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-    logger.info("training rendezvous on port %d (published in %s)", _STORE.port, path)
 
 
 def exit_now(code: int, reason: str) -> None:

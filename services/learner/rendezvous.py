@@ -13,24 +13,49 @@ from __future__ import annotations
 import logging
 import os
 import time
-from datetime import timedelta
 from pathlib import Path
 
 from relayrl.learner.config import RENDEZVOUS_FILE_VAR
 
-__all__ = ["RENDEZVOUS_FILE_VAR", "await_port", "publish"]
+__all__ = ["RENDEZVOUS_FILE_VAR", "await_port", "join", "publish"]
 WAIT_S = 900.0  # rank 0's start: its imports, and a model read from shared storage
 POLL_S = 0.2
 SAY_EVERY_S = 60.0
 logger = logging.getLogger(__name__)
 
 
-def publish(path: Path, addr: str, world_size: int, timeout: timedelta):
+_STORE = None  # rank 0's store (join): the training group's, for as long as the rank runs
+
+
+def join() -> None:
+    """Before the training group forms (``rank.init_distributed``), with ``RELAYRL_RENDEZVOUS_FILE``
+    set: rank 0 binds its store on a free port and publishes it; the others read the port into
+    ``MASTER_PORT``. Without it, torchrun's or the launcher's ``MASTER_PORT`` stands."""
+    global _STORE
+    path = os.environ.get(RENDEZVOUS_FILE_VAR)
+    if not path:
+        return
+    if os.environ.get("RANK", "0") != "0":
+        os.environ["MASTER_PORT"] = str(await_port(Path(path)))
+        return
+    from torch.distributed.constants import default_pg_timeout
+
+    addr, world = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["WORLD_SIZE"])
+    _STORE = publish(Path(path), addr, world, default_pg_timeout.total_seconds())
+    os.environ["MASTER_PORT"] = str(_STORE.port)
+    # Rank 0 then joins its own store as a client, as torchrun's ranks join their agent's
+    # (torch.distributed.rendezvous: every rank a client when the agent holds the store): the
+    # group forms through env:// alike on every rank, DeepSpeed's init included.
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    logger.info("training rendezvous on port %d (published in %s)", _STORE.port, path)
+
+
+def publish(path: Path, addr: str, world_size: int, timeout_s: float):
     """Rank 0: its store on a port the kernel picks, held from here on, written to ``path``
     (whole: a temporary file renamed into place). Returns the store, which the caller keeps."""
     from relayrl.common.weightsync.group import master_store  # the weight-sync groups' rank 0 alike
 
-    store = master_store(addr, world_size, timeout.total_seconds())
+    store = master_store(addr, world_size, timeout_s)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(f"{store.port}\n")

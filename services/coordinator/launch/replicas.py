@@ -12,6 +12,7 @@ logs and sections, in the coordinator's pools and on the learner's list of gener
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,3 +98,10 @@ def learner_section(cfg: ExperimentConfig, run_dir: Path, role: str = "learner")
     if section.checkpoint_dir != default:
         return section
     return section.model_copy(update={"checkpoint_dir": str(run_dir.parent.resolve())})
+
+
+def rendezvous_file(run_dir: Path, role: str) -> Path:
+    """Where the learner ``role``'s rank 0 publishes its training rendezvous port for the other
+    ranks (``RELAYRL_RENDEZVOUS_FILE``, learner/rendezvous.py): in the run folder, which every
+    node shares, and new at every start so that no rank reads an earlier start's port."""
+    return run_dir / "rendezvous" / f"{role}-{uuid.uuid4().hex[:12]}.port"

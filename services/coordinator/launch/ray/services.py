@@ -28,7 +28,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,7 +35,14 @@ from pathlib import Path
 from relayrl.common import config as cfg_mod
 from relayrl.coordinator.config import ExperimentConfig, RaySection
 from relayrl.coordinator.launch.ray.plan import GroupPlan, Slot, assign_ranks, needs, plan
-from relayrl.coordinator.launch.replicas import learner_section, pick, replicas, service_of, service_section
+from relayrl.coordinator.launch.replicas import (
+    learner_section,
+    pick,
+    rendezvous_file,
+    replicas,
+    service_of,
+    service_section,
+)
 from relayrl.coordinator.launch.service_set import Addresses
 
 logger = logging.getLogger(__name__)
@@ -256,8 +262,7 @@ class RayServices(Addresses):
         slots = [Slot(where[r]["node_id"], where[r]["ip"], tuple(where[r]["gpus"])) for r in g.roles]
         # Rank 0 binds its rendezvous store on a free port and writes it here, for the other
         # ranks to read (the run folder is on every node: docs/ray.md); a file per launch.
-        rendezvous = self.run_dir / "rendezvous" / f"{role}-{uuid.uuid4().hex[:12]}.port"
-        ranks = assign_ranks(slots, str(rendezvous))
+        ranks = assign_ranks(slots, str(rendezvous_file(self.run_dir, role)))
         first = next(i for i, e in enumerate(ranks) if e.rank == 0)
         ip0 = slots[first].ip
         section = c.role_sections()[role]

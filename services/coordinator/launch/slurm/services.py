@@ -37,7 +37,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,7 +45,13 @@ from relayrl.common import config as cfg_mod
 from relayrl.common.serving import ClientSecurity
 from relayrl.coordinator.config import ExperimentConfig
 from relayrl.coordinator.launch.processes import ServiceProcess, stop_all
-from relayrl.coordinator.launch.replicas import learner_section, pick, replicas, service_section
+from relayrl.coordinator.launch.replicas import (
+    learner_section,
+    pick,
+    rendezvous_file,
+    replicas,
+    service_section,
+)
 from relayrl.coordinator.launch.service_set import Addresses
 from relayrl.coordinator.launch.slurm import job_secrets
 from relayrl.coordinator.launch.slurm.plan import Allocation, Step, plan
@@ -182,14 +187,13 @@ class SlurmServices(Addresses):
             if step.local:  # torchrun, one rank per GPU it was given
                 args = ["learner"]
             else:
-                rendezvous = self.run_dir / "rendezvous" / f"{role}-{uuid.uuid4().hex[:12]}.port"
                 args = [
                     "learner",
                     "--rank-from-slurm",
                     "--master-addr",
                     step.nodes[0],
                     "--rendezvous-file",
-                    str(rendezvous),
+                    str(rendezvous_file(self.run_dir, role)),
                 ]
             started[role] = (self._start(step, args, section), step)
         for r in replicas(c, "generator", "reward", "env"):
